@@ -1,0 +1,68 @@
+"""The exceptions embedpipe raises.
+
+Every class subclasses the builtin it means, so ``except ValueError`` keeps working for callers
+that do not know embedpipe::
+
+    EmbedpipeError                                  base of everything below
+    ├── TableNotFoundError      FileNotFoundError   no table at the path
+    ├── TableExistsError        FileExistsError     create() over an existing path
+    ├── TableFormatError        ValueError          the path is not an embedpipe table
+    ├── TableLockedError        RuntimeError        a second writer opened the table
+    ├── ReadOnlyTableError      PermissionError     write to a table opened with mode="r"
+    ├── InvalidIdsError         ValueError, TypeError   float, ragged or non-integer ids
+    │   └── IdOutOfRangeError   ValueError, IndexError  id < 0 or id >= num_rows
+    ├── InvalidRowsError        ValueError, TypeError   rows of the wrong shape or dtype
+    ├── SourceFormatError       ValueError          a file `embedpipe import` cannot read
+    └── SourceKeyError          LookupError         no tensor, or several, match the key
+
+Messages name the offending value and say what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class EmbedpipeError(Exception):
+    """Base class of every error embedpipe raises on purpose."""
+
+
+class TableNotFoundError(EmbedpipeError, FileNotFoundError):
+    """There is no table at the given path."""
+
+
+class TableExistsError(EmbedpipeError, FileExistsError):
+    """A table (or another file) already exists where a new table was to be created."""
+
+
+class TableFormatError(EmbedpipeError, ValueError):
+    """The path exists but does not hold an embedpipe table of a format this version reads."""
+
+
+class TableLockedError(EmbedpipeError, RuntimeError):
+    """Another process (or another handle in this one) holds the table open for writing."""
+
+
+class ReadOnlyTableError(EmbedpipeError, PermissionError):
+    """A write was attempted through a handle opened with ``mode="r"``."""
+
+
+class InvalidIdsError(EmbedpipeError, ValueError, TypeError):
+    """Ids that are not an integer array: floats, booleans, ragged lists."""
+
+
+class IdOutOfRangeError(InvalidIdsError, IndexError):
+    """An id below 0 or at or above the table's ``num_rows``."""
+
+
+class InvalidRowsError(EmbedpipeError, ValueError, TypeError):
+    """Rows whose shape or dtype does not match the ids and the table."""
+
+
+class SourceFormatError(EmbedpipeError, ValueError):
+    """A file that cannot be imported: unknown suffix, unreadable, wrong rank or dtype."""
+
+
+class SourceKeyError(EmbedpipeError, LookupError):
+    """No tensor in the source matches, or several do and ``--key`` must choose."""
+
+    def __str__(self) -> str:  # LookupError's KeyError cousin quotes the message; keep it plain
+        return str(self.args[0]) if self.args else ""

@@ -1,0 +1,472 @@
+"""Table: the authoritative embedding table on disk, a zarr v3 group.
+
+::
+
+    table.zarr/                 zarr v3 group; attributes["embedpipe"] holds the metadata
+      weight/                   (num_rows, dim) array, chunks of whole rows
+      state/<name>/             optimizer state, same row index (Adagrad "sum", Adam "exp_avg"...)
+      writer.lock               held (flock) by the one process that has the table open to write
+
+The layout and metadata are described in ``docs/table-format.md``; any zarr v3 reader opens the
+arrays. Only one process writes a table at a time (invariant 1); readers need no lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from tqdm.auto import tqdm
+from zarr.codecs import BloscCodec, BytesCodec, ZstdCodec
+
+from .errors import (
+    IdOutOfRangeError,
+    InvalidIdsError,
+    InvalidRowsError,
+    ReadOnlyTableError,
+    TableExistsError,
+    TableFormatError,
+    TableLockedError,
+    TableNotFoundError,
+)
+from .rowstore import ZarrRows, row_access
+
+FORMAT_VERSION = 1
+WEIGHT = "weight"
+STATE_GROUP = "state"
+LOCK_FILE = "writer.lock"
+
+#: Default chunk size in bytes: about 256 KiB of rows (see docs/table-format.md for the numbers).
+CHUNK_BYTES = 256 * 1024
+#: Rows generated per block by the initializer; blocks are seeded separately, so the initial
+#: table depends on (seed, num_rows, dim) and not on the chunking.
+INIT_BLOCK_ROWS = 4096
+
+DTYPES = ("float32", "float16", "float64")
+COMPRESSORS = ("none", "zstd", "blosc")
+
+
+def default_chunk_rows(num_rows: int, dim: int, dtype: str = "float32") -> int:
+    """Rows per chunk: the power of two nearest :data:`CHUNK_BYTES`, at most ``num_rows``."""
+    row_bytes = dim * np.dtype(dtype).itemsize
+    rows = 1 << max(0, round(np.log2(max(1, CHUNK_BYTES // row_bytes))))
+    return max(1, min(rows, num_rows))
+
+
+def as_ids(ids: Any, num_rows: int, what: str = "ids") -> np.ndarray:
+    """Validate ``ids`` (list, numpy or torch, any shape) and return them as int64 numpy.
+
+    Raises :class:`InvalidIdsError` for non-integer or ragged input and
+    :class:`IdOutOfRangeError` naming the first id outside ``[0, num_rows)`` and its position.
+    """
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
+    try:
+        array = np.asarray(ids)
+    except ValueError as e:  # numpy refuses ragged nested lists
+        raise InvalidIdsError(f"{what} must be a rectangular integer array, got a ragged one ({e})") from None
+    if array.dtype == object:
+        raise InvalidIdsError(f"{what} must be a rectangular integer array, got a ragged one: {ids!r:.80}")
+    if array.size == 0:
+        return array.astype(np.int64)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise InvalidIdsError(
+            f"{what} must be integers, got dtype {array.dtype} (e.g. {array.flat[0]!r}); "
+            "pass token ids as an int64 tensor or array"
+        )
+    array = array.astype(np.int64, copy=False)
+    bad = (array < 0) | (array >= num_rows)
+    if bad.any():
+        position = np.unravel_index(int(np.argmax(bad)), array.shape)
+        where = position[0] if len(position) == 1 else tuple(int(p) for p in position)
+        value = int(array[position])
+        raise IdOutOfRangeError(
+            f"{what}: id {value} at position {where} is out of range for a table of {num_rows} rows "
+            f"(valid ids are 0..{num_rows - 1}); check that the tokenizer matches the table"
+        )
+    return array
+
+
+class _WriterLock:
+    """An exclusive ``flock`` on ``writer.lock``; the file records who holds it."""
+
+    def __init__(self, folder: str) -> None:
+        self.path = os.path.join(folder, LOCK_FILE)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 512, 0).decode(errors="replace").strip() or "another handle"
+            os.close(self.fd)
+            raise TableLockedError(
+                f"table {folder} is already open for writing by {holder}; close that handle "
+                "(table.close() or pipe.close()) or open this one with mode='r'"
+            ) from None
+        os.ftruncate(self.fd, 0)
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+        os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()} since {stamp}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.ftruncate(self.fd, 0)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Table:
+    """The embedding table on disk: a zarr v3 group with the weights, optimizer state and metadata.
+
+    Make one with :meth:`create` or :meth:`from_tensor`, open one with :meth:`open`. A table
+    opened with ``mode="r+"`` holds the writer lock until :meth:`close` (or the end of a ``with``
+    block). A table pickles as its path and reopens read-only in the receiving process, which is
+    how DataLoader workers get their own handle.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], mode: str = "r") -> None:
+        """Open the table at ``path``; prefer :meth:`open`, which documents the arguments."""
+        if mode not in ("r", "r+"):
+            raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
+        self.path = str(Path(path).expanduser().resolve())
+        self.mode = mode
+        if not os.path.exists(self.path):
+            raise TableNotFoundError(
+                f"no table at {self.path}; create one with Table.create(...) or `embedpipe import`"
+            )
+        if not os.path.isdir(self.path):
+            raise TableFormatError(f"{self.path} is a file, not a table folder (a zarr v3 group)")
+        try:
+            self._group = zarr.open_group(self.path, mode="r" if mode == "r" else "r+")
+            meta = dict(self._group.attrs.get("embedpipe", {}))
+        except (FileNotFoundError, ValueError, TypeError, KeyError) as e:
+            raise TableFormatError(f"{self.path} is not an embedpipe table: {e}") from None
+        if not meta or WEIGHT not in self._group:
+            raise TableFormatError(
+                f"{self.path} is a zarr group without embedpipe metadata or a 'weight' array; "
+                "make a table with `embedpipe import` or Table.create(...)"
+            )
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise TableFormatError(
+                f"{self.path} has table format version {meta.get('format_version')!r}; this "
+                f"embedpipe reads version {FORMAT_VERSION}: upgrade embedpipe"
+            )
+        self._meta = meta
+        self._lock = _WriterLock(self.path) if mode == "r+" else None
+        self._rows: dict[str, ZarrRows] = {}
+        weight = self._array(WEIGHT)
+        self.num_rows, self.dim = (int(n) for n in weight.array.shape)
+        self.dtype = np.dtype(weight.dtype)
+
+    # ----------------------------------------------------------------------------- make, open
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike[str],
+        num_rows: int,
+        dim: int,
+        *,
+        dtype: str = "float32",
+        init: str = "normal",
+        std: float = 1.0,
+        seed: int = 0,
+        chunk_rows: int | None = None,
+        compressor: str = "none",
+        overwrite: bool = False,
+        progress: bool = False,
+    ) -> Table:
+        """Create a table of ``num_rows x dim`` rows and return it open for writing.
+
+        ``init="normal"`` draws every row from N(0, ``std``^2), as ``nn.Embedding`` does with
+        ``std=1``; rows depend only on ``seed``, ``num_rows`` and ``dim``. ``init="zeros"`` writes
+        nothing (zarr reads missing chunks as zeros). ``chunk_rows`` defaults to about 256 KiB of
+        rows; ``compressor`` is ``"none"`` (default, fastest reads), ``"zstd"`` or ``"blosc"``.
+        """
+        if init not in ("normal", "zeros"):
+            raise ValueError(f"init must be 'normal' or 'zeros', got {init!r}")
+        if not (isinstance(std, (int, float)) and np.isfinite(std) and std >= 0):
+            raise ValueError(f"std must be a finite number >= 0, got {std!r}")
+        table = cls._create_empty(path, num_rows, dim, dtype, chunk_rows, compressor, overwrite)
+        if init == "normal":
+            blocks = range(0, num_rows, INIT_BLOCK_ROWS)
+            for start in tqdm(blocks, desc="init", unit="block", disable=not progress):
+                rng = np.random.default_rng([seed, start // INIT_BLOCK_ROWS])
+                n = min(INIT_BLOCK_ROWS, num_rows - start)
+                block = rng.standard_normal((n, dim), dtype=np.float64) * std
+                table._write_range(WEIGHT, start, block.astype(table.dtype))
+        return table
+
+    @classmethod
+    def from_tensor(
+        cls,
+        path: str | os.PathLike[str],
+        weight: Any,
+        *,
+        chunk_rows: int | None = None,
+        compressor: str = "none",
+        overwrite: bool = False,
+        progress: bool = False,
+    ) -> Table:
+        """Create a table holding ``weight`` ([V, D] torch tensor or numpy array), open to write.
+
+        The rows are stored bit for bit in ``weight``'s dtype (float32, float16 or float64; cast a
+        bfloat16 tensor with ``.float()`` first). Anything with ``.shape``, ``.dtype`` and row
+        slicing to numpy (a ``numpy.memmap``, a safetensors slice) is copied one chunk at a time.
+        """
+        if isinstance(weight, torch.Tensor):
+            if weight.dtype == torch.bfloat16:
+                raise InvalidRowsError(
+                    "bfloat16 tables are not supported (zarr v3 has no bfloat16); "
+                    "convert with weight.float() (lossless) first"
+                )
+            weight = weight.detach().cpu().numpy()
+        shape = tuple(weight.shape)
+        if len(shape) != 2 or 0 in shape:
+            raise InvalidRowsError(f"weight must be a non-empty 2-D [num_rows, dim] array, got shape {shape}")
+        dtype = np.dtype(weight.dtype).name
+        table = cls._create_empty(path, shape[0], shape[1], dtype, chunk_rows, compressor, overwrite)
+        step = table.chunk_rows * max(1, (1 << 24) // (table.chunk_rows * table.dim * table.dtype.itemsize))
+        with tqdm(total=shape[0], desc="import", unit="row", unit_scale=True, disable=not progress) as bar:
+            for start in range(0, shape[0], step):
+                block = np.asarray(weight[start : start + step])
+                table._write_range(WEIGHT, start, block)
+                bar.update(len(block))
+        return table
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], mode: str = "r") -> Table:
+        """Open the table at ``path``: ``mode="r"`` to read, ``"r+"`` to write (takes the lock)."""
+        return cls(path, mode)
+
+    @classmethod
+    def _create_empty(
+        cls,
+        path: str | os.PathLike[str],
+        num_rows: int,
+        dim: int,
+        dtype: str,
+        chunk_rows: int | None,
+        compressor: str,
+        overwrite: bool,
+    ) -> Table:
+        for name, value in (("num_rows", num_rows), ("dim", dim)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        if compressor not in COMPRESSORS:
+            raise ValueError(f"compressor must be one of {COMPRESSORS}, got {compressor!r}")
+        if chunk_rows is None:
+            chunk_rows = default_chunk_rows(num_rows, dim, dtype)
+        if not isinstance(chunk_rows, (int, np.integer)) or chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
+        path = str(Path(path).expanduser().resolve())
+        if os.path.exists(path):
+            if not overwrite:
+                raise TableExistsError(f"{path} already exists; pick another path or pass overwrite=True (--force on the command line)")
+            cls.open(path, "r+").close()  # refuse to delete a table another process is writing
+            shutil.rmtree(path)
+        group = zarr.open_group(path, mode="w-")
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "step": 0,
+            "optimizer": None,
+            "state": [],
+            "compressor": compressor,
+        }
+        group.attrs["embedpipe"] = meta
+        _create_row_array(group, WEIGHT, num_rows, dim, dtype, int(chunk_rows), compressor)
+        return cls(path, "r+")
+
+    # ----------------------------------------------------------------------------- rows
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per chunk of the weight array."""
+        return self._array(WEIGHT).chunk_rows
+
+    def read(self, ids: Any, name: str = WEIGHT) -> np.ndarray:
+        """Rows for ``ids`` in the order of ``ids`` (duplicates and any order allowed).
+
+        ``ids`` of shape S gives rows of shape S + (dim,). ``name`` picks an optimizer state
+        array instead of the weights. Reads only the chunks the ids fall in.
+        """
+        ids = as_ids(ids, self.num_rows)
+        flat = ids.reshape(-1)
+        return self._array(name).read(flat).reshape(*ids.shape, self.dim)
+
+    def write(self, ids: Any, rows: Any, name: str = WEIGHT) -> None:
+        """Write ``rows[i]`` to row ``ids[i]``; each touched chunk is replaced atomically.
+
+        ``ids`` must be unique; ``rows`` must have shape ``(len(ids), dim)`` and the array's
+        dtype exactly (no silent casts). Everything is checked before the first byte is written.
+        """
+        self._check_writable()
+        array = self._array(name)
+        ids = as_ids(ids, self.num_rows)
+        if ids.ndim != 1:
+            raise InvalidIdsError(f"ids for write must be 1-D, got shape {ids.shape}")
+        unique, counts = np.unique(ids, return_counts=True)
+        if len(unique) != len(ids):
+            raise InvalidIdsError(
+                f"ids for write must be unique, id {int(unique[np.argmax(counts > 1)])} repeats; "
+                "sum or pick the rows for repeated ids first"
+            )
+        if isinstance(rows, torch.Tensor):
+            rows = rows.detach().cpu().numpy()
+        rows = np.asarray(rows)
+        if rows.shape != (len(ids), self.dim):
+            raise InvalidRowsError(
+                f"rows must have shape ({len(ids)}, {self.dim}) for {len(ids)} ids, got {rows.shape}"
+            )
+        if rows.dtype != array.dtype:
+            raise InvalidRowsError(
+                f"rows must have the table's dtype {array.dtype}, got {rows.dtype}; "
+                f"cast with .astype('{array.dtype}') if that is what you mean"
+            )
+        array.write(ids, rows)
+
+    def to_tensor(self) -> torch.Tensor:
+        """The whole weight table as a [num_rows, dim] CPU tensor (reads every chunk)."""
+        return torch.from_numpy(self.read_range(0, self.num_rows))
+
+    def read_range(self, start: int, stop: int, name: str = WEIGHT) -> np.ndarray:
+        """Rows ``start:stop`` as a new array (one sequential read per chunk)."""
+        return np.asarray(self._array(name).array[start:stop])
+
+    def iter_blocks(self, rows_per_block: int | None = None, name: str = WEIGHT) -> Iterator[np.ndarray]:
+        """The table in order, a block of whole chunks at a time (about 16 MiB by default)."""
+        array = self._array(name)
+        if rows_per_block is None:
+            per_chunk = array.chunk_rows * self.dim * self.dtype.itemsize
+            rows_per_block = array.chunk_rows * max(1, (1 << 24) // per_chunk)
+        for start in range(0, self.num_rows, rows_per_block):
+            yield self.read_range(start, min(start + rows_per_block, self.num_rows), name)
+
+    # ----------------------------------------------------------------------------- state
+    @property
+    def state_names(self) -> list[str]:
+        """Names of the optimizer state arrays next to the weights."""
+        return list(self._meta.get("state", []))
+
+    def add_state(self, name: str, fill: float = 0.0) -> None:
+        """Add an optimizer state array ``name`` (same rows, chunks and dtype), every value ``fill``."""
+        self._check_writable()
+        if not name.isidentifier():
+            raise ValueError(f"state name must be an identifier, got {name!r}")
+        if name in self.state_names:
+            raise ValueError(f"state {name!r} already exists in {self.path}")
+        weight = self._array(WEIGHT)
+        _create_row_array(
+            self._group, f"{STATE_GROUP}/{name}", self.num_rows, self.dim, self.dtype.name,
+            weight.chunk_rows, self._meta.get("compressor", "none"), fill_value=fill,
+        )
+        self.update_metadata(state=[*self.state_names, name])
+
+    # ----------------------------------------------------------------------------- metadata
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """A copy of the table's metadata: format_version, step, optimizer, state, compressor."""
+        return dict(self._meta)
+
+    @property
+    def step(self) -> int:
+        """The training step the table's contents correspond to."""
+        return int(self._meta.get("step", 0))
+
+    def update_metadata(self, **values: Any) -> None:
+        """Set metadata keys (JSON values) and persist them in the group's attributes."""
+        self._check_writable()
+        self._meta.update(values)
+        self._group.attrs["embedpipe"] = self._meta
+
+    def nbytes_on_disk(self) -> int:
+        """Bytes the table's folder takes on disk."""
+        total = 0
+        for folder, _, files in os.walk(self.path):
+            total += sum(os.path.getsize(os.path.join(folder, f)) for f in files)
+        return total
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Release the writer lock; the handle stays usable for nothing after this."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def __enter__(self) -> Table:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"], "r")  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"Table({self.path!r}, num_rows={self.num_rows}, dim={self.dim}, dtype={self.dtype.name}, mode={self.mode!r})"
+
+    # ----------------------------------------------------------------------------- internals
+    def _array(self, name: str) -> ZarrRows:
+        rows = self._rows.get(name)
+        if rows is None:
+            key = name if name == WEIGHT else f"{STATE_GROUP}/{name}"
+            if name != WEIGHT and name not in self.state_names:
+                raise KeyError(f"no state array {name!r} in {self.path}; it has {self.state_names}")
+            rows = self._rows[name] = row_access(self._group[key])
+        return rows
+
+    def _write_range(self, name: str, start: int, block: np.ndarray) -> None:
+        """Write whole chunks starting at ``start`` (a multiple of chunk_rows)."""
+        array = self._array(name)
+        for offset in range(0, len(block), array.chunk_rows):
+            array.write_chunk((start + offset) // array.chunk_rows, block[offset : offset + array.chunk_rows])
+
+    def _check_writable(self) -> None:
+        if self._lock is None:
+            raise ReadOnlyTableError(
+                f"table {self.path} is open read-only; open it with Table.open(path, mode='r+') to write"
+            )
+
+
+def _create_row_array(
+    group: zarr.Group,
+    name: str,
+    num_rows: int,
+    dim: int,
+    dtype: str,
+    chunk_rows: int,
+    compressor: str,
+    fill_value: float = 0.0,
+) -> zarr.Array:
+    compressors = {
+        "none": None,
+        "zstd": ZstdCodec(level=3),
+        "blosc": BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"),
+    }[compressor]
+    return group.create_array(
+        name,
+        shape=(num_rows, dim),
+        chunks=(min(chunk_rows, num_rows), dim),
+        dtype=dtype,
+        fill_value=fill_value,
+        serializer=BytesCodec(endian="little"),
+        compressors=compressors,
+        chunk_key_encoding={"name": "default", "separator": "/"},
+        dimension_names=["row", "dim"],
+    )
