@@ -19,17 +19,32 @@ from .table import COMPRESSORS, Table
 from .tensorfiles import export_table, import_table
 
 #: Exceptions that mean "the input was wrong", reported in one line without a traceback.
-USER_ERRORS = (EmbedpipeError, FileNotFoundError, FileExistsError, PermissionError, ValueError, KeyError)
+USER_ERRORS = (
+    EmbedpipeError,
+    FileNotFoundError,
+    FileExistsError,
+    PermissionError,
+    ValueError,
+    KeyError,
+)
 
 
 def cmd_import(args: argparse.Namespace) -> None:
     table = import_table(
-        args.src, args.dst, key=args.key, dtype=args.dtype, chunk_rows=args.chunk_rows,
-        compressor=args.compressor, overwrite=args.force, progress=True,
+        args.src,
+        args.dst,
+        key=args.key,
+        dtype=args.dtype,
+        chunk_rows=args.chunk_rows,
+        compressor=args.compressor,
+        overwrite=args.force,
+        progress=True,
     )
     with table:
-        print(f"imported {table.metadata['source']['key']} [{table.num_rows}, {table.dim}] "
-              f"{table.dtype.name} into {table.path}")
+        print(
+            f"imported {table.metadata['source']['key']} [{table.num_rows}, {table.dim}] "
+            f"{table.dtype.name} into {table.path}"
+        )
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -51,8 +66,10 @@ def cmd_demo(args: argparse.Namespace) -> None:
         path = Path(folder) / "table.zarr"
         with Table.create(path, args.rows, args.dim, progress=True) as table:
             first = table.read([0, args.rows - 1])
-            print(f"created a {table.num_rows} x {table.dim} table at {path}; "
-                  f"row 0 starts {first[0, :3].round(4).tolist()}")
+            print(
+                f"created a {table.num_rows} x {table.dim} table at {path}; "
+                f"row 0 starts {first[0, :3].round(4).tolist()}"
+            )
         for name, value in table_info(Table.open(path)).items():
             print(f"{name:<16}{value}")
 
@@ -82,24 +99,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"embedpipe {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = commands.add_parser("import", help="make a table from .safetensors, .pt/.bin, .npy or a model folder")
+    p = commands.add_parser(
+        "import", help="make a table from .safetensors, .pt/.bin, .npy or a model folder"
+    )
     p.add_argument("src", help="file or Hugging Face model folder holding the embedding tensor")
     p.add_argument("dst", help="folder of the new table (a zarr v3 group)")
-    p.add_argument("--key", help="name of the tensor (default: the word-embedding tensor, found by name)")
-    p.add_argument("--dtype", choices=["float32", "float16", "float64"], help="cast the rows (bfloat16 sources need one)")
+    p.add_argument(
+        "--key", help="name of the tensor (default: the word-embedding tensor, found by name)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "float64"],
+        help="cast the rows (bfloat16 sources need one)",
+    )
     p.add_argument("--chunk-rows", type=int, help="rows per chunk (default: about 256 KiB of rows)")
-    p.add_argument("--compressor", choices=COMPRESSORS, default="none", help="chunk compression (default: none)")
+    p.add_argument(
+        "--compressor",
+        choices=COMPRESSORS,
+        default="none",
+        help="chunk compression (default: none)",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing table at DST")
     p.set_defaults(run=cmd_import)
 
     p = commands.add_parser("export", help="write a table's weights to .safetensors or .npy")
     p.add_argument("src", help="table folder")
     p.add_argument("dst", help="output file; the suffix picks the format")
-    p.add_argument("--key", default="weight", help="tensor name in a .safetensors file (default: weight)")
+    p.add_argument(
+        "--key", default="weight", help="tensor name in a .safetensors file (default: weight)"
+    )
     p.add_argument("--force", action="store_true", help="replace an existing file at DST")
     p.set_defaults(run=cmd_export)
 
-    p = commands.add_parser("info", help="shape, dtype, chunking, bytes, optimizer state and step of a table")
+    p = commands.add_parser(
+        "info", help="shape, dtype, chunking, bytes, optimizer state and step of a table"
+    )
     p.add_argument("path", help="table folder")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=cmd_info)

@@ -76,7 +76,7 @@ class ZarrRows:
     def write(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Write ``rows[i]`` to row ``ids[i]`` (ids unique and in range), a whole chunk at a time."""
         chunks, positions = group_by_chunk(ids, self.chunk_rows)
-        for chunk, pos in zip(chunks, positions):
+        for chunk, pos in zip(chunks, positions, strict=False):
             block = self.read_chunk(chunk)
             block[ids[pos] - chunk * self.chunk_rows] = rows[pos]
             self.write_chunk(chunk, block)
@@ -138,7 +138,7 @@ class RawRows(ZarrRows):
     def read(self, ids: np.ndarray) -> np.ndarray:
         out = np.empty((len(ids), self.dim), dtype=self.dtype)
         chunks, positions = group_by_chunk(ids, self.chunk_rows)
-        for chunk, pos in zip(chunks, positions):
+        for chunk, pos in zip(chunks, positions, strict=False):
             out[pos] = self._mapped(chunk)[ids[pos] - chunk * self.chunk_rows]
             cached = self._maps.get(chunk)
             if cached is not None:
@@ -146,7 +146,9 @@ class RawRows(ZarrRows):
         return out
 
     def read_chunk(self, chunk: int) -> np.ndarray:
-        rows = len(range(chunk * self.chunk_rows, min((chunk + 1) * self.chunk_rows, self.num_rows)))
+        rows = len(
+            range(chunk * self.chunk_rows, min((chunk + 1) * self.chunk_rows, self.num_rows))
+        )
         try:
             with open(self._path(chunk), "rb") as f:
                 data = np.frombuffer(f.read(), dtype=self.dtype).reshape(-1, self.dim)

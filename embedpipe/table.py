@@ -73,9 +73,13 @@ def as_ids(ids: Any, num_rows: int, what: str = "ids") -> np.ndarray:
     try:
         array = np.asarray(ids)
     except ValueError as e:  # numpy refuses ragged nested lists
-        raise InvalidIdsError(f"{what} must be a rectangular integer array, got a ragged one ({e})") from None
+        raise InvalidIdsError(
+            f"{what} must be a rectangular integer array, got a ragged one ({e})"
+        ) from None
     if array.dtype == object:
-        raise InvalidIdsError(f"{what} must be a rectangular integer array, got a ragged one: {ids!r:.80}")
+        raise InvalidIdsError(
+            f"{what} must be a rectangular integer array, got a ragged one: {ids!r:.80}"
+        )
     if array.size == 0:
         return array.astype(np.int64)
     if not np.issubdtype(array.dtype, np.integer):
@@ -113,7 +117,9 @@ class _WriterLock:
             ) from None
         os.ftruncate(self.fd, 0)
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-        os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()} since {stamp}\n".encode(), 0)
+        os.pwrite(
+            self.fd, f"pid {os.getpid()} on {socket.gethostname()} since {stamp}\n".encode(), 0
+        )
 
     def release(self) -> None:
         if self.fd >= 0:
@@ -196,12 +202,12 @@ class Table:
             raise ValueError(f"std must be a finite number >= 0, got {std!r}")
         table = cls._create_empty(path, num_rows, dim, dtype, chunk_rows, compressor, overwrite)
         if init == "normal":
-            blocks = range(0, num_rows, INIT_BLOCK_ROWS)
-            for start in tqdm(blocks, desc="init", unit="block", disable=not progress):
-                rng = np.random.default_rng([seed, start // INIT_BLOCK_ROWS])
-                n = min(INIT_BLOCK_ROWS, num_rows - start)
-                block = rng.standard_normal((n, dim), dtype=np.float64) * std
-                table._write_range(WEIGHT, start, block.astype(table.dtype))
+            step = table._block_rows()
+            for start in tqdm(
+                range(0, num_rows, step), desc="init", unit="block", disable=not progress
+            ):
+                rows = _normal_rows(seed, start, min(start + step, num_rows), dim, std)
+                table._write_range(WEIGHT, start, rows.astype(table.dtype))
         return table
 
     @classmethod
@@ -230,11 +236,17 @@ class Table:
             weight = weight.detach().cpu().numpy()
         shape = tuple(weight.shape)
         if len(shape) != 2 or 0 in shape:
-            raise InvalidRowsError(f"weight must be a non-empty 2-D [num_rows, dim] array, got shape {shape}")
+            raise InvalidRowsError(
+                f"weight must be a non-empty 2-D [num_rows, dim] array, got shape {shape}"
+            )
         dtype = np.dtype(weight.dtype).name
-        table = cls._create_empty(path, shape[0], shape[1], dtype, chunk_rows, compressor, overwrite)
-        step = table.chunk_rows * max(1, (1 << 24) // (table.chunk_rows * table.dim * table.dtype.itemsize))
-        with tqdm(total=shape[0], desc="import", unit="row", unit_scale=True, disable=not progress) as bar:
+        table = cls._create_empty(
+            path, shape[0], shape[1], dtype, chunk_rows, compressor, overwrite
+        )
+        step = table._block_rows()
+        with tqdm(
+            total=shape[0], desc="import", unit="row", unit_scale=True, disable=not progress
+        ) as bar:
             for start in range(0, shape[0], step):
                 block = np.asarray(weight[start : start + step])
                 table._write_range(WEIGHT, start, block)
@@ -271,7 +283,9 @@ class Table:
         path = str(Path(path).expanduser().resolve())
         if os.path.exists(path):
             if not overwrite:
-                raise TableExistsError(f"{path} already exists; pick another path or pass overwrite=True (--force on the command line)")
+                raise TableExistsError(
+                    f"{path} already exists; pick another path or pass overwrite=True (--force on the command line)"
+                )
             cls.open(path, "r+").close()  # refuse to delete a table another process is writing
             shutil.rmtree(path)
         group = zarr.open_group(path, mode="w-")
@@ -341,12 +355,11 @@ class Table:
         """Rows ``start:stop`` as a new array (one sequential read per chunk)."""
         return np.asarray(self._array(name).array[start:stop])
 
-    def iter_blocks(self, rows_per_block: int | None = None, name: str = WEIGHT) -> Iterator[np.ndarray]:
+    def iter_blocks(
+        self, rows_per_block: int | None = None, name: str = WEIGHT
+    ) -> Iterator[np.ndarray]:
         """The table in order, a block of whole chunks at a time (about 16 MiB by default)."""
-        array = self._array(name)
-        if rows_per_block is None:
-            per_chunk = array.chunk_rows * self.dim * self.dtype.itemsize
-            rows_per_block = array.chunk_rows * max(1, (1 << 24) // per_chunk)
+        rows_per_block = rows_per_block or self._block_rows()
         for start in range(0, self.num_rows, rows_per_block):
             yield self.read_range(start, min(start + rows_per_block, self.num_rows), name)
 
@@ -365,8 +378,14 @@ class Table:
             raise ValueError(f"state {name!r} already exists in {self.path}")
         weight = self._array(WEIGHT)
         _create_row_array(
-            self._group, f"{STATE_GROUP}/{name}", self.num_rows, self.dim, self.dtype.name,
-            weight.chunk_rows, self._meta.get("compressor", "none"), fill_value=fill,
+            self._group,
+            f"{STATE_GROUP}/{name}",
+            self.num_rows,
+            self.dim,
+            self.dtype.name,
+            weight.chunk_rows,
+            self._meta.get("compressor", "none"),
+            fill_value=fill,
         )
         self.update_metadata(state=[*self.state_names, name])
 
@@ -431,17 +450,35 @@ class Table:
             rows = self._rows[name] = row_access(self._group[key])
         return rows
 
+    def _block_rows(self) -> int:
+        """Rows in a block of whole chunks of about 16 MiB, the unit of streaming copies."""
+        chunk_bytes = self.chunk_rows * self.dim * self.dtype.itemsize
+        return self.chunk_rows * max(1, (1 << 24) // chunk_bytes)
+
     def _write_range(self, name: str, start: int, block: np.ndarray) -> None:
         """Write whole chunks starting at ``start`` (a multiple of chunk_rows)."""
         array = self._array(name)
         for offset in range(0, len(block), array.chunk_rows):
-            array.write_chunk((start + offset) // array.chunk_rows, block[offset : offset + array.chunk_rows])
+            array.write_chunk(
+                (start + offset) // array.chunk_rows, block[offset : offset + array.chunk_rows]
+            )
 
     def _check_writable(self) -> None:
         if self._lock is None:
             raise ReadOnlyTableError(
                 f"table {self.path} is open read-only; open it with Table.open(path, mode='r+') to write"
             )
+
+
+def _normal_rows(seed: int, start: int, stop: int, dim: int, std: float) -> np.ndarray:
+    """Rows ``start:stop`` of the N(0, std^2) initial table; block b is drawn from seed (seed, b)."""
+    first, last = start // INIT_BLOCK_ROWS, (stop - 1) // INIT_BLOCK_ROWS
+    blocks = [
+        np.random.default_rng([seed, b]).standard_normal((INIT_BLOCK_ROWS, dim)) * std
+        for b in range(first, last + 1)
+    ]
+    offset = first * INIT_BLOCK_ROWS
+    return np.concatenate(blocks)[start - offset : stop - offset]
 
 
 def _create_row_array(

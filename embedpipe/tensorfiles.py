@@ -77,11 +77,15 @@ class TensorRows:
         return block.to(getattr(torch, self.dtype.name)).numpy()
 
 
-def open_source(src: str | os.PathLike[str], key: str | None = None, dtype: str | None = None) -> TensorRows:
+def open_source(
+    src: str | os.PathLike[str], key: str | None = None, dtype: str | None = None
+) -> TensorRows:
     """Find the embedding tensor in ``src`` (see :data:`WORD_EMBEDDING_NAMES`) or the one at ``key``."""
     path = Path(src).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; give a .safetensors, .pt, .bin or .npy file or a model folder")
+        raise FileNotFoundError(
+            f"{path} does not exist; give a .safetensors, .pt, .bin or .npy file or a model folder"
+        )
     if dtype is not None and dtype not in _SAFETENSORS_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_SAFETENSORS_DTYPES)}, got {dtype!r}")
     if path.is_dir():
@@ -92,12 +96,20 @@ def open_source(src: str | os.PathLike[str], key: str | None = None, dtype: str 
     if suffix in (".pt", ".pth", ".bin"):
         return _open_state_dict(path, key, dtype)
     if suffix == ".npy":
+        if key is not None:
+            raise SourceKeyError(f"{path}: a .npy file holds one unnamed array; drop --key {key}")
         array = np.load(path, mmap_mode="r")
         if array.dtype.kind != "f":
             raise SourceFormatError(f"{path}: array dtype {array.dtype} is not floating point")
-        tensor = torch.from_numpy(np.ascontiguousarray(array[:0]))
-        return TensorRows(key or path.stem, array.shape, tensor.dtype,
-                          lambda a, b: torch.from_numpy(np.array(array[a:b])), dtype, str(path))
+        tensor = torch.from_numpy(np.empty(0, array.dtype))
+        return TensorRows(
+            path.stem,
+            array.shape,
+            tensor.dtype,
+            lambda a, b: torch.from_numpy(np.array(array[a:b])),
+            dtype,
+            str(path),
+        )
     raise SourceFormatError(
         f"{path}: unknown file type {suffix or '(no suffix)'!r}; embedpipe imports .safetensors, "
         ".pt/.pth/.bin state dicts, .npy arrays and Hugging Face model folders"
@@ -122,7 +134,12 @@ def import_table(
     """
     source = open_source(src, key, dtype)
     table = Table.from_tensor(
-        dst, source, chunk_rows=chunk_rows, compressor=compressor, overwrite=overwrite, progress=progress
+        dst,
+        source,
+        chunk_rows=chunk_rows,
+        compressor=compressor,
+        overwrite=overwrite,
+        progress=progress,
     )
     table.update_metadata(source={"path": str(Path(src).expanduser().resolve()), "key": source.key})
     return table
@@ -144,16 +161,24 @@ def export_table(
     out = Path(dst).expanduser()
     suffix = out.suffix.lower()
     if suffix not in (".safetensors", ".npy"):
-        raise SourceFormatError(f"{out}: export writes .safetensors or .npy, not {suffix or '(no suffix)'!r}")
+        raise SourceFormatError(
+            f"{out}: export writes .safetensors or .npy, not {suffix or '(no suffix)'!r}"
+        )
     if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists; choose another name or pass --force / overwrite=True")
+        raise FileExistsError(
+            f"{out} already exists; choose another name or pass --force / overwrite=True"
+        )
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        with tqdm(total=table.num_rows, desc="export", unit="row", unit_scale=True, disable=not progress) as bar:
+        with tqdm(
+            total=table.num_rows, desc="export", unit="row", unit_scale=True, disable=not progress
+        ) as bar:
             if suffix == ".safetensors":
                 _write_safetensors(table, tmp, key, bar.update)
             else:
-                array = np.lib.format.open_memmap(tmp, mode="w+", dtype=table.dtype, shape=(table.num_rows, table.dim))
+                array = np.lib.format.open_memmap(
+                    tmp, mode="w+", dtype=table.dtype, shape=(table.num_rows, table.dim)
+                )
                 start = 0
                 for block in table.iter_blocks():
                     array[start : start + len(block)] = block
@@ -168,7 +193,9 @@ def export_table(
 
 
 # --------------------------------------------------------------------------------- internals
-def _write_safetensors(table: Table, path: Path, key: str, advance: Callable[[int], object]) -> None:
+def _write_safetensors(
+    table: Table, path: Path, key: str, advance: Callable[[int], object]
+) -> None:
     """Stream the table into the safetensors layout: u64 header size, JSON header, raw bytes."""
     nbytes = table.num_rows * table.dim * table.dtype.itemsize
     header = {
@@ -198,7 +225,9 @@ def _safetensors_keys(path: Path) -> list[str]:
         raise SourceFormatError(f"{path}: not a readable safetensors file ({e})") from None
 
 
-def _open_safetensors(files: Mapping[str, Path], key: str | None, dtype: str | None, origin: str) -> TensorRows:
+def _open_safetensors(
+    files: Mapping[str, Path], key: str | None, dtype: str | None, origin: str
+) -> TensorRows:
     try:
         from safetensors import safe_open
     except ImportError:
@@ -209,8 +238,14 @@ def _open_safetensors(files: Mapping[str, Path], key: str | None, dtype: str | N
     handle = safe_open(str(files[name]), framework="pt")
     tensor_slice = handle.get_slice(name)
     head = tensor_slice[:0]
-    return TensorRows(name, tuple(tensor_slice.get_shape()), head.dtype,
-                      lambda a, b: tensor_slice[a:b], dtype, origin)
+    return TensorRows(
+        name,
+        tuple(tensor_slice.get_shape()),
+        head.dtype,
+        lambda a, b: tensor_slice[a:b],
+        dtype,
+        origin,
+    )
 
 
 def _open_state_dict(path: Path, key: str | None, dtype: str | None) -> TensorRows:
@@ -220,13 +255,17 @@ def _open_state_dict(path: Path, key: str | None, dtype: str | None) -> TensorRo
         except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
             loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise SourceFormatError(f"{path}: torch.load could not read it as a state dict ({e})") from None
+        raise SourceFormatError(
+            f"{path}: torch.load could not read it as a state dict ({e})"
+        ) from None
     tensors = {path.stem: loaded} if isinstance(loaded, torch.Tensor) else _flatten(loaded)
     if not tensors:
         raise SourceFormatError(f"{path}: holds no tensors")
     name = _choose_key(list(tensors), key, str(path))
     tensor = tensors[name]
-    return TensorRows(name, tuple(tensor.shape), tensor.dtype, lambda a, b: tensor[a:b], dtype, str(path))
+    return TensorRows(
+        name, tuple(tensor.shape), tensor.dtype, lambda a, b: tensor[a:b], dtype, str(path)
+    )
 
 
 def _open_model_folder(folder: Path, key: str | None, dtype: str | None) -> TensorRows:
@@ -235,12 +274,16 @@ def _open_model_folder(folder: Path, key: str | None, dtype: str | None) -> Tens
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
             if index_name.startswith("model.safetensors"):
-                return _open_safetensors({k: folder / f for k, f in weight_map.items()}, key, dtype, str(folder))
+                return _open_safetensors(
+                    {k: folder / f for k, f in weight_map.items()}, key, dtype, str(folder)
+                )
             name = _choose_key(list(weight_map), key, str(folder))
             return _open_state_dict(folder / weight_map[name], name, dtype)
     if (folder / "model.safetensors").exists():
         file = folder / "model.safetensors"
-        return _open_safetensors({k: file for k in _safetensors_keys(file)}, key, dtype, str(folder))
+        return _open_safetensors(
+            {k: file for k in _safetensors_keys(file)}, key, dtype, str(folder)
+        )
     for name in ("pytorch_model.bin", "model.pt", "model.bin"):
         if (folder / name).exists():
             return _open_state_dict(folder / name, key, dtype)
@@ -277,4 +320,6 @@ def _choose_key(keys: list[str], key: str | None, origin: str) -> str:
             f"{origin}: several word-embedding tensors ({', '.join(found)}); choose one with --key"
         )
     shown = ", ".join(keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
-    raise SourceKeyError(f"{origin}: no word-embedding tensor found by name; choose one with --key from: {shown}")
+    raise SourceKeyError(
+        f"{origin}: no word-embedding tensor found by name; choose one with --key from: {shown}"
+    )
