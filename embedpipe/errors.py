@@ -12,6 +12,7 @@ that do not know embedpipe::
     ├── InvalidIdsError         ValueError, TypeError   float, ragged or non-integer ids
     │   └── IdOutOfRangeError   ValueError, IndexError  id < 0 or id >= num_rows
     ├── InvalidRowsError        ValueError, TypeError   rows of the wrong shape or dtype
+    ├── NonFiniteGradientError  FloatingPointError  a NaN or inf in an embedding gradient
     ├── SourceFormatError       ValueError          a file `embedpipe import` cannot read
     └── SourceKeyError          LookupError         no tensor, or several, match the key
 
@@ -55,6 +56,10 @@ class IdOutOfRangeError(InvalidIdsError, IndexError):
 
 class InvalidRowsError(EmbedpipeError, ValueError, TypeError):
     """Rows whose shape or dtype does not match the ids and the table."""
+
+
+class NonFiniteGradientError(EmbedpipeError, FloatingPointError):
+    """An embedding gradient holds NaN or inf; nothing of that step was applied."""
 
 
 class SourceFormatError(EmbedpipeError, ValueError):

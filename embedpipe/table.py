@@ -105,6 +105,7 @@ class _WriterLock:
 
     def __init__(self, folder: str) -> None:
         self.path = os.path.join(folder, LOCK_FILE)
+        self.pid = os.getpid()  # a forked child shares the lock and must never release it
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -122,7 +123,7 @@ class _WriterLock:
         )
 
     def release(self) -> None:
-        if self.fd >= 0:
+        if self.fd >= 0 and self.pid == os.getpid():
             os.ftruncate(self.fd, 0)
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)

@@ -1,0 +1,70 @@
+"""The DataLoader stage: a torch DataLoader whose collate does the lookup, and the hand-off.
+
+``PipeLoader`` wraps the user's dataset (checking each sample's ids where its index is known),
+builds a ``torch.utils.data.DataLoader`` whose ``collate_fn`` is the worker-side
+:class:`~embedpipe.worker.Lookup`, and turns each :class:`~embedpipe.worker.LookedUp` into an
+:class:`~embedpipe.batch.EmbeddedBatch` in the main process (``EmbeddingPipe._hand_off``).
+Everything the DataLoader offers (workers, prefetching, persistent workers, pinned memory, the
+start method) works as usual, because this is a DataLoader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+
+from .batch import EmbeddedBatch
+from .ring import BatchRing
+from .worker import CheckedDataset, CheckedIterable, Lookup
+
+if TYPE_CHECKING:
+    from .pipe import EmbeddingPipe
+
+DEFAULT_RING_ROWS = 2048
+
+
+class PipeLoader:
+    """An iterable of :class:`EmbeddedBatch`; ``len()`` as the DataLoader's."""
+
+    def __init__(
+        self,
+        pipe: EmbeddingPipe,
+        dataset: Dataset,
+        *,
+        batch_size: int,
+        shuffle: bool,
+        num_workers: int,
+        collate_fn: Any,
+        ids_key: str,
+        ring_rows: int | None,
+        **dataloader_kwargs: Any,
+    ) -> None:
+        table = pipe.table
+        if isinstance(dataset, IterableDataset):
+            checked: Dataset = CheckedIterable(dataset, ids_key, table.num_rows)
+        else:
+            checked = CheckedDataset(dataset, ids_key, table.num_rows)
+        self.ring = None
+        if num_workers > 0:
+            depth = (dataloader_kwargs.get("prefetch_factor") or 2) + 1
+            rows = ring_rows or min(table.num_rows, DEFAULT_RING_ROWS)
+            self.ring = BatchRing(num_workers, depth, rows, table.dim, pipe.shared.tensors["rows"].dtype)
+        lookup = Lookup(collate_fn or default_collate, ids_key, table, pipe.shared, self.ring)
+        self.pipe = pipe
+        self.dataloader = DataLoader(
+            checked, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
+            collate_fn=lookup, **dataloader_kwargs,
+        )
+
+    def __iter__(self) -> Iterator[EmbeddedBatch]:
+        for item in self.dataloader:
+            if item.slot >= 0:
+                rows = self.ring.read(item.slot, item.tag, len(item.unique_ids))
+            else:
+                rows = item.rows.numpy()
+            yield self.pipe._hand_off(item, rows)
+
+    def __len__(self) -> int:
+        return len(self.dataloader)

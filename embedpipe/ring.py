@@ -1,0 +1,70 @@
+"""A shared-memory ring of batch buffers: how unique rows travel from a worker to the owner.
+
+Returning a fresh tensor from a worker costs milliseconds per batch (its storage is moved to new
+shared memory every time); writing into a buffer that already lives in shared memory and sending
+only its number is an order of magnitude cheaper (DESIGN.md section 2).
+
+NOTE [ Ring slots ]
+Worker ``w`` owns slots ``w * depth .. (w + 1) * depth - 1`` and uses them in turn, so no slot is
+ever handed between processes and no queue or lock is needed. The DataLoader keeps at most
+``prefetch_factor`` batches of one worker in flight, and the owner copies the rows out of the slot
+at hand-off, before the batch reaches the training loop, so with ``depth = prefetch_factor + 1``
+a worker comes back to a slot only after the owner is done with it. Orders the DataLoader does
+not promise (an iterable dataset whose workers run out at different times, ``in_order=False``)
+could break that, so every slot carries a tag, written like a seqlock: the worker makes it odd,
+writes the rows, then sets it to the batch's even tag; the owner checks the tag before and after
+its copy. A slot that was overwritten is detected and the owner looks the rows up again itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class BatchRing:
+    """``num_workers * depth`` buffers of ``rows_per_slot`` rows in shared memory."""
+
+    def __init__(self, num_workers: int, depth: int, rows_per_slot: int, dim: int, dtype: torch.dtype) -> None:
+        self.depth = depth
+        self.rows_per_slot = rows_per_slot
+        self.buffers = torch.zeros((num_workers * depth, rows_per_slot, dim), dtype=dtype).share_memory_()
+        self.tags = torch.zeros(num_workers * depth, dtype=torch.int64).share_memory_()
+        self._views()
+        self._sent = 0  # per process: batches this worker has written
+
+    def _views(self) -> None:
+        self._buffers = self.buffers.numpy()
+        self._tags = self.tags.numpy()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"depth": self.depth, "rows_per_slot": self.rows_per_slot, "buffers": self.buffers, "tags": self.tags}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._views()
+        self._sent = 0
+
+    def write(self, worker: int, rows: np.ndarray) -> tuple[int, int] | None:
+        """In a worker: put ``rows`` (U, D) into this worker's next slot; returns (slot, tag).
+
+        Returns None when the rows do not fit in a slot (the caller sends them as a tensor).
+        """
+        if len(rows) > self.rows_per_slot:
+            return None
+        self._sent += 1
+        slot = worker * self.depth + self._sent % self.depth
+        tag = 2 * self._sent
+        self._tags[slot] = tag - 1  # odd: being written
+        self._buffers[slot, : len(rows)] = rows
+        self._tags[slot] = tag
+        return slot, tag
+
+    def read(self, slot: int, tag: int, count: int) -> np.ndarray | None:
+        """In the owner: a copy of the ``count`` rows in ``slot``, or None if it was overwritten."""
+        if self._tags[slot] != tag:
+            return None
+        rows = self._buffers[slot, :count].copy()
+        return rows if self._tags[slot] == tag else None

@@ -1,0 +1,153 @@
+"""What runs in a DataLoader worker (or in the main process when ``num_workers=0``).
+
+The worker collates the user's samples with the user's collate function, then looks up the
+batch's embeddings: deduplicate the ids, copy hits out of the shared cache (seqlock-validated),
+read the misses from the table through the worker's own read-only handle, and put the unique rows
+into the worker's next ring slot. What goes back to the owner is a :class:`LookedUp`: the collated
+fields, the unique ids, the inverse index and the slot number, never the (B, L, D) embeddings.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from .cache import SharedRows
+from .errors import IdOutOfRangeError
+from .ring import BatchRing
+from .table import Table, as_ids
+
+
+@dataclass(frozen=True)
+class LookedUp:
+    """One batch on its way from a worker to the owner.
+
+    ``fields``: the user's collated batch; ``unique_ids`` (U,) int64 sorted; ``inverse`` the
+    position in ``unique_ids`` of every id, shaped like the ids; the rows are in ring ``slot``
+    with ``tag``, or in ``rows`` when they did not fit; ``lookup_step`` the applied step when the
+    lookup began; ``hits``/``misses`` counted over unique ids.
+    """
+
+    fields: Mapping[str, Any]
+    unique_ids: torch.Tensor
+    inverse: torch.Tensor
+    slot: int
+    tag: int
+    rows: torch.Tensor | None
+    lookup_step: int
+    hits: int
+    misses: int
+
+    def pin_memory(self) -> LookedUp:
+        """Called by the DataLoader's pin-memory thread; the rows are pinned at hand-off."""
+        from torch.utils.data._utils.pin_memory import pin_memory
+
+        return LookedUp(**{**self.__dict__, "fields": pin_memory(self.fields), "inverse": self.inverse.pin_memory()})
+
+
+class Lookup:
+    """The collate function the DataLoader runs: the user's collate, then the embedding lookup.
+
+    Pickles as the table's path and the shared arrays; each process opens its own table handle.
+    """
+
+    def __init__(
+        self,
+        collate: Callable[[list[Any]], Any],
+        ids_key: str,
+        table: Table,
+        cache: SharedRows,
+        ring: BatchRing | None,
+    ) -> None:
+        self.collate = collate
+        self.ids_key = ids_key
+        self.table_path = table.path
+        self.num_rows = table.num_rows
+        self.cache = cache
+        self.ring = ring
+        self._table: Table | None = table
+        self._pid = os.getpid()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_table": None}
+
+    def table(self) -> Table:
+        if self._table is None or self._pid != os.getpid():  # a new process: its own handle
+            self._table = Table.open(self.table_path, "r")
+            self._pid = os.getpid()
+        return self._table
+
+    def __call__(self, samples: list[Any]) -> LookedUp:
+        fields = self.collate(samples)
+        if not isinstance(fields, Mapping) or self.ids_key not in fields:
+            keys = list(fields) if isinstance(fields, Mapping) else type(fields).__name__
+            raise TypeError(
+                f"the collated batch must be a mapping with the ids under {self.ids_key!r}, got {keys}; "
+                "pass ids_key=... or a collate_fn that returns a dict"
+            )
+        ids = as_ids(fields[self.ids_key], self.num_rows, what="batch ids")
+        lookup_step = self.cache.applied_step  # before any row is read (invariant 4)
+        unique_ids, inverse = np.unique(ids, return_inverse=True)
+        rows, hit = self.cache.read(unique_ids)
+        miss = np.flatnonzero(~hit)
+        if len(miss):
+            rows[miss] = self.table().read(unique_ids[miss])
+        info = get_worker_info()
+        placed = self.ring.write(info.id, rows) if self.ring is not None and info is not None else None
+        return LookedUp(
+            fields=fields,
+            unique_ids=torch.from_numpy(unique_ids),
+            inverse=torch.from_numpy(inverse.reshape(ids.shape)),
+            slot=placed[0] if placed else -1,
+            tag=placed[1] if placed else 0,
+            rows=None if placed else torch.from_numpy(rows),
+            lookup_step=lookup_step,
+            hits=len(unique_ids) - len(miss),
+            misses=len(miss),
+        )
+
+
+class CheckedDataset(Dataset):
+    """The user's map-style dataset, with each sample's ids checked where the index is known."""
+
+    def __init__(self, dataset: Dataset, ids_key: str, num_rows: int) -> None:
+        self.dataset = dataset
+        self.ids_key = ids_key
+        self.num_rows = num_rows
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: Any) -> Any:
+        return check_sample(self.dataset[index], self.ids_key, self.num_rows, f"sample {index}")
+
+
+class CheckedIterable(IterableDataset):
+    """The user's iterable dataset, with each sample's ids checked as it streams."""
+
+    def __init__(self, dataset: IterableDataset, ids_key: str, num_rows: int) -> None:
+        self.dataset = dataset
+        self.ids_key = ids_key
+        self.num_rows = num_rows
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        where = f" of worker {info.id}" if info is not None else ""
+        for n, sample in enumerate(self.dataset):
+            yield check_sample(sample, self.ids_key, self.num_rows, f"sample {n}{where}'s stream")
+
+
+def check_sample(sample: Any, ids_key: str, num_rows: int, where: str) -> Any:
+    """``sample`` unchanged, after checking its ids (when it is a mapping that has them)."""
+    if isinstance(sample, Mapping) and ids_key in sample:
+        try:
+            as_ids(sample[ids_key], num_rows, what=f"{where}, {ids_key!r}")
+        except IdOutOfRangeError as e:
+            raise IdOutOfRangeError(f"{e}; fix or drop that sample") from None
+    return sample

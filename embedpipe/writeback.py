@@ -1,0 +1,117 @@
+"""The writeback queue and the thread that drains it (runs in the owner process).
+
+The training loop's backward hands each step's (U, D) gradient to :meth:`Writeback.submit`; the
+thread applies the sparse optimizer to the rows through ``apply(ids, grad, step)`` and publishes
+how many steps are applied. The training loop waits on that count (:meth:`wait`) before it hands
+out a batch: for every step in exact mode, for all but ``max_staleness`` steps in bounded mode.
+
+NOTE [ Writeback errors and shutdown ]
+An exception in the thread is kept, with the step it happened at, and raised in the training
+loop by the next :meth:`submit`, :meth:`wait` or :meth:`close`; the thread stops taking work.
+Every blocking call has a timeout and looks at the stop event and the thread's health, so no call
+waits forever on a thread that is gone.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import EmbedpipeError
+
+POLL_SECONDS = 0.05
+
+
+class WritebackError(EmbedpipeError, RuntimeError):
+    """The writeback thread failed; the message carries its traceback."""
+
+
+@dataclass(frozen=True)
+class GradBatch:
+    """One optimizer step: ``grad`` (U, D) on the CPU for ``ids`` (U,) unique int64."""
+
+    ids: np.ndarray
+    grad: torch.Tensor
+    step: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Ask the thread to finish what is queued and exit."""
+
+
+class Writeback:
+    """A queue of :class:`GradBatch` and one thread that applies them in step order."""
+
+    def __init__(self, apply: Callable[[np.ndarray, torch.Tensor, int], None], *, step: int = 0) -> None:
+        self._apply = apply
+        self._queue: queue.Queue[GradBatch | Stop] = queue.Queue()
+        self._applied = threading.Condition()
+        self.submitted = step  # steps handed to the queue (written by the training loop only)
+        self.applied = step  # steps applied (written by the thread only)
+        self._error: tuple[int, BaseException] | None = None
+        self._thread = threading.Thread(target=self._run, name="embedpipe-writeback", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        """Gradient batches submitted and not yet applied."""
+        return self.submitted - self.applied
+
+    def submit(self, ids: np.ndarray, grad: torch.Tensor) -> int:
+        """Queue one optimizer step; returns its step number."""
+        self.raise_error()
+        self.submitted += 1
+        self._queue.put(GradBatch(ids, grad, self.submitted))
+        return self.submitted
+
+    def wait(self, behind: int = 0, timeout: float | None = None) -> None:
+        """Block until at most ``behind`` submitted steps are unapplied (or raise the thread's error)."""
+        target = self.submitted - behind
+        waited = 0.0
+        with self._applied:
+            while self.applied < target:
+                self.raise_error()
+                if not self._thread.is_alive():
+                    raise WritebackError("the writeback thread has stopped; the pipe was closed")
+                if timeout is not None and waited >= timeout:
+                    raise TimeoutError(f"writeback still {self.applied}/{target} steps after {timeout}s")
+                self._applied.wait(POLL_SECONDS)
+                waited += POLL_SECONDS
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            step, e = self._error
+            raise WritebackError(f"the writeback thread failed at step {step}: {type(e).__name__}: {e}") from e
+
+    def close(self) -> None:
+        """Apply everything queued, stop the thread, and raise its error if it had one."""
+        if self._thread.is_alive():
+            self._queue.put(Stop())
+            self._thread.join()
+        self.raise_error()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=POLL_SECONDS * 20)
+            except queue.Empty:
+                continue  # a daemon thread: it dies with the process if nobody closes it
+            if isinstance(item, Stop):
+                return
+            if self._error is not None:
+                continue  # after a failure, apply nothing more (later steps build on the lost one)
+            try:
+                self._apply(item.ids, item.grad, item.step)
+            except BaseException as e:  # carried to the training loop, see the NOTE
+                self._error = (item.step, e)
+            with self._applied:
+                if self._error is None:
+                    self.applied = item.step
+                self._applied.notify_all()
