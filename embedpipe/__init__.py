@@ -1,12 +1,24 @@
 """embedpipe: take a model's embedding table out of accelerator memory.
 
-The table lives on disk as a chunked zarr array (:class:`Table`); see the README and ``docs/``.
+The table lives on disk as a chunked zarr array (:class:`Table`); :class:`EmbeddingPipe` looks
+rows up inside the DataLoader through one shared cache and trains them with a sparse optimizer
+(:mod:`embedpipe.optim`). See the README and ``docs/``.
 """
 
 __version__ = "0.1.0"
 
-from . import errors
+from . import errors, optim
+from .batch import EmbeddedBatch
+from .pipe import EmbeddingPipe
 from .table import Table
 from .tensorfiles import export_table, import_table
 
-__all__ = ["Table", "errors", "export_table", "import_table"]
+__all__ = [
+    "EmbeddedBatch",
+    "EmbeddingPipe",
+    "Table",
+    "errors",
+    "export_table",
+    "import_table",
+    "optim",
+]

@@ -180,7 +180,9 @@ class RowCache:
         self.policy.touch(slots[slots >= 0])
 
     # ----------------------------------------------------------------- writeback thread
-    def apply(self, ids: np.ndarray, grad: torch.Tensor, step: int, update: Callable[..., None]) -> None:
+    def apply(
+        self, ids: np.ndarray, grad: torch.Tensor, step: int, update: Callable[..., None]
+    ) -> None:
         """Apply ``update(rows, grad, state, step)`` to the rows of ``ids`` (unique), in place.
 
         Cached rows change in the cache (and become dirty); uncached rows are read from the
@@ -193,7 +195,12 @@ class RowCache:
             self._load_state(s)
             rows = self.shared.rows[s]
             state = {name: array[s] for name, array in self.state.items()}
-            update(torch.from_numpy(rows), grad[cached], {k: torch.from_numpy(v) for k, v in state.items()}, step)
+            update(
+                torch.from_numpy(rows),
+                grad[cached],
+                {k: torch.from_numpy(v) for k, v in state.items()},
+                step,
+            )
             self.shared.overwrite(s, rows)
             for name, array in self.state.items():
                 array[s] = state[name]
@@ -203,7 +210,12 @@ class RowCache:
             rest_ids = ids[rest]
             rows = self._fetch(rest_ids, "weight")
             state = {name: self._fetch(rest_ids, name) for name in self.state}
-            update(torch.from_numpy(rows), grad[rest], {k: torch.from_numpy(v) for k, v in state.items()}, step)
+            update(
+                torch.from_numpy(rows),
+                grad[rest],
+                {k: torch.from_numpy(v) for k, v in state.items()},
+                step,
+            )
             self._store(rest_ids, rows, state)
         self.last_updated[ids] = step
 

@@ -50,12 +50,18 @@ class PipeLoader:
         if num_workers > 0:
             depth = (dataloader_kwargs.get("prefetch_factor") or 2) + 1
             rows = ring_rows or min(table.num_rows, DEFAULT_RING_ROWS)
-            self.ring = BatchRing(num_workers, depth, rows, table.dim, pipe.shared.tensors["rows"].dtype)
+            self.ring = BatchRing(
+                num_workers, depth, rows, table.dim, pipe.shared.tensors["rows"].dtype
+            )
         lookup = Lookup(collate_fn or default_collate, ids_key, table, pipe.shared, self.ring)
         self.pipe = pipe
         self.dataloader = DataLoader(
-            checked, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
-            collate_fn=lookup, **dataloader_kwargs,
+            checked,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            num_workers=num_workers,
+            collate_fn=lookup,
+            **dataloader_kwargs,
         )
 
     def __iter__(self) -> Iterator[EmbeddedBatch]:

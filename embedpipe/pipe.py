@@ -76,7 +76,9 @@ class EmbeddingPipe:
         self._owns_table = not isinstance(table, Table)
         if isinstance(table, Table):
             if optimizer is not None and table.mode != "r+":
-                raise ValueError(f"the pipe updates {table.path}: open it with Table.open(path, mode='r+')")
+                raise ValueError(
+                    f"the pipe updates {table.path}: open it with Table.open(path, mode='r+')"
+                )
         else:
             table = Table.open(table, "r+" if optimizer is not None else "r")
         self.table = table
@@ -138,8 +140,15 @@ class EmbeddingPipe:
 
         self._check_open()
         return PipeLoader(
-            self, dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
-            collate_fn=collate_fn, ids_key=ids_key, ring_rows=ring_rows, **dataloader_kwargs,
+            self,
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            ids_key=ids_key,
+            ring_rows=ring_rows,
+            **dataloader_kwargs,
         )
 
     def stats(self) -> dict[str, int]:
@@ -151,7 +160,8 @@ class EmbeddingPipe:
             "rows_written": cache["rows_written"],
             "evictions": cache["evictions"],
             "writeback_queue": self.writeback.pending if self.writeback else 0,
-            "steps": (self.writeback.applied if self.writeback else self._start_step) - self._start_step,
+            "steps": (self.writeback.applied if self.writeback else self._start_step)
+            - self._start_step,
             "cached_rows": int((self.shared.slot_id >= 0).sum()),
             "dirty_rows": int(self.cache.dirty.sum()),
         }
@@ -217,7 +227,9 @@ class EmbeddingPipe:
         self._counts["hits"] += item.hits
         self._counts["misses"] += item.misses
         sink = self._on_grad if self.optimizer is not None else None
-        return EmbeddedBatch(item.fields, item.unique_ids, item.inverse, torch.from_numpy(rows), sink)
+        return EmbeddedBatch(
+            item.fields, item.unique_ids, item.inverse, torch.from_numpy(rows), sink
+        )
 
     def _on_grad(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
         """The gradient hook: check, move to the CPU, and queue (runs inside backward)."""
@@ -234,7 +246,9 @@ class EmbeddingPipe:
                     "Lower the learning rate, clip gradients or check the loss; "
                     "check_finite=False skips this check"
                 )
-        self._pending.append((unique_ids, grad.detach().to("cpu", self.shared.tensors["rows"].dtype)))
+        self._pending.append(
+            (unique_ids, grad.detach().to("cpu", self.shared.tensors["rows"].dtype))
+        )
         if len(self._pending) >= self.grad_accumulation:
             self._submit()
 
@@ -243,7 +257,9 @@ class EmbeddingPipe:
         if len(self._pending) == 1:
             ids, grad = self._pending[0]
         else:  # the same order of sums as .grad accumulation over the batches
-            ids, inverse = torch.unique(torch.cat([i for i, _ in self._pending]), return_inverse=True)
+            ids, inverse = torch.unique(
+                torch.cat([i for i, _ in self._pending]), return_inverse=True
+            )
             grad = torch.zeros(len(ids), self.table.dim, dtype=self._pending[0][1].dtype)
             grad.index_add_(0, inverse, torch.cat([g for _, g in self._pending]))
         self._pending = []
@@ -269,16 +285,24 @@ class EmbeddingPipe:
         )
 
 
-def _check_options(cache_rows: Any, consistency: str, max_staleness: Any, grad_accumulation: Any) -> None:
-    if not isinstance(cache_rows, (int, np.integer)) or isinstance(cache_rows, bool) or cache_rows < 0:
-        raise ValueError(f"cache_rows must be an integer >= 0 (0 reads every row from disk), got {cache_rows!r}")
+def _check_options(
+    cache_rows: Any, consistency: str, max_staleness: Any, grad_accumulation: Any
+) -> None:
+    if (
+        not isinstance(cache_rows, (int, np.integer))
+        or isinstance(cache_rows, bool)
+        or cache_rows < 0
+    ):
+        raise ValueError(
+            f"cache_rows must be an integer >= 0 (0 reads every row from disk), got {cache_rows!r}"
+        )
     if consistency not in CONSISTENCY:
         raise ValueError(f"consistency must be one of {CONSISTENCY}, got {consistency!r}")
     if consistency == "bounded" and (not isinstance(max_staleness, int) or max_staleness < 1):
-        raise ValueError(f"consistency='bounded' needs max_staleness, an integer >= 1, got {max_staleness!r}")
+        raise ValueError(
+            f"consistency='bounded' needs max_staleness, an integer >= 1, got {max_staleness!r}"
+        )
     if consistency == "exact" and max_staleness not in (None, 0):
         raise ValueError(f"max_staleness={max_staleness!r} needs consistency='bounded'")
     if not isinstance(grad_accumulation, int) or grad_accumulation < 1:
         raise ValueError(f"grad_accumulation must be an integer >= 1, got {grad_accumulation!r}")
-
-

@@ -27,10 +27,14 @@ import torch
 class BatchRing:
     """``num_workers * depth`` buffers of ``rows_per_slot`` rows in shared memory."""
 
-    def __init__(self, num_workers: int, depth: int, rows_per_slot: int, dim: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, num_workers: int, depth: int, rows_per_slot: int, dim: int, dtype: torch.dtype
+    ) -> None:
         self.depth = depth
         self.rows_per_slot = rows_per_slot
-        self.buffers = torch.zeros((num_workers * depth, rows_per_slot, dim), dtype=dtype).share_memory_()
+        self.buffers = torch.zeros(
+            (num_workers * depth, rows_per_slot, dim), dtype=dtype
+        ).share_memory_()
         self.tags = torch.zeros(num_workers * depth, dtype=torch.int64).share_memory_()
         self._views()
         self._sent = 0  # per process: batches this worker has written
@@ -40,7 +44,12 @@ class BatchRing:
         self._tags = self.tags.numpy()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"depth": self.depth, "rows_per_slot": self.rows_per_slot, "buffers": self.buffers, "tags": self.tags}
+        return {
+            "depth": self.depth,
+            "rows_per_slot": self.rows_per_slot,
+            "buffers": self.buffers,
+            "tags": self.tags,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

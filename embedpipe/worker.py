@@ -48,7 +48,13 @@ class LookedUp:
         """Called by the DataLoader's pin-memory thread; the rows are pinned at hand-off."""
         from torch.utils.data._utils.pin_memory import pin_memory
 
-        return LookedUp(**{**self.__dict__, "fields": pin_memory(self.fields), "inverse": self.inverse.pin_memory()})
+        return LookedUp(
+            **{
+                **self.__dict__,
+                "fields": pin_memory(self.fields),
+                "inverse": self.inverse.pin_memory(),
+            }
+        )
 
 
 class Lookup:
@@ -99,7 +105,9 @@ class Lookup:
         if len(miss):
             rows[miss] = self.table().read(unique_ids[miss])
         info = get_worker_info()
-        placed = self.ring.write(info.id, rows) if self.ring is not None and info is not None else None
+        placed = (
+            self.ring.write(info.id, rows) if self.ring is not None and info is not None else None
+        )
         return LookedUp(
             fields=fields,
             unique_ids=torch.from_numpy(unique_ids),

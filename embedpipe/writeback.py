@@ -48,7 +48,9 @@ class Stop:
 class Writeback:
     """A queue of :class:`GradBatch` and one thread that applies them in step order."""
 
-    def __init__(self, apply: Callable[[np.ndarray, torch.Tensor, int], None], *, step: int = 0) -> None:
+    def __init__(
+        self, apply: Callable[[np.ndarray, torch.Tensor, int], None], *, step: int = 0
+    ) -> None:
         self._apply = apply
         self._queue: queue.Queue[GradBatch | Stop] = queue.Queue()
         self._applied = threading.Condition()
@@ -80,7 +82,9 @@ class Writeback:
                 if not self._thread.is_alive():
                     raise WritebackError("the writeback thread has stopped; the pipe was closed")
                 if timeout is not None and waited >= timeout:
-                    raise TimeoutError(f"writeback still {self.applied}/{target} steps after {timeout}s")
+                    raise TimeoutError(
+                        f"writeback still {self.applied}/{target} steps after {timeout}s"
+                    )
                 self._applied.wait(POLL_SECONDS)
                 waited += POLL_SECONDS
         self.raise_error()
@@ -88,7 +92,9 @@ class Writeback:
     def raise_error(self) -> None:
         if self._error is not None:
             step, e = self._error
-            raise WritebackError(f"the writeback thread failed at step {step}: {type(e).__name__}: {e}") from e
+            raise WritebackError(
+                f"the writeback thread failed at step {step}: {type(e).__name__}: {e}"
+            ) from e
 
     def close(self) -> None:
         """Apply everything queued, stop the thread, and raise its error if it had one."""

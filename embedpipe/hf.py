@@ -1,0 +1,225 @@
+"""Hugging Face helpers: move a model's input word embeddings into a :class:`~embedpipe.Table`.
+
+::
+
+    table = offload(model, "vocab.zarr")   # weight -> zarr, bit for bit; the model drops it
+    model(inputs_embeds=batch["inputs_embeds"], attention_mask=batch["attention_mask"])
+
+:func:`offload` refuses a model whose input embeddings are tied to its output layer (masked and
+causal LM heads): :func:`untie` gives the output layer its own copy first. :func:`embedding_bytes`
+says how much accelerator memory the table costs while it lives in the model. Works with any
+``transformers.PreTrainedModel`` (duck-typed: transformers is imported only by the caller).
+See ``docs/huggingface.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .errors import EmbedpipeError, InvalidRowsError
+from .table import Table
+
+#: Copies of the table an optimizer keeps on top of the weight and its gradient.
+OPTIMIZER_COPIES = {"sgd": 0, "adagrad": 1, "adam": 2, "adamw": 2}
+
+
+class TiedWeightsError(EmbedpipeError, ValueError):
+    """The input embedding weight is shared with another parameter (usually the output layer)."""
+
+
+class EmbeddingsOffloadedError(EmbedpipeError, RuntimeError, AttributeError):
+    """The model's word embeddings were offloaded; it takes ``inputs_embeds``, not ``input_ids``.
+
+    Also an ``AttributeError``, so ``hasattr(model.get_input_embeddings(), "weight")`` is False.
+    """
+
+
+class OffloadedEmbedding(nn.Module):
+    """Stands where a model's ``nn.Embedding`` was; holds no parameters, buffers or rows.
+
+    Keeps ``num_embeddings``, ``embedding_dim``, ``padding_idx`` and the table's ``path``, plus
+    the ``dtype`` and ``device`` the model expects ``inputs_embeds`` in (they follow
+    ``model.to(...)``). Calling it, or reading ``.weight``, raises :class:`EmbeddingsOffloadedError`.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        path: str,
+        *,
+        padding_idx: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.path, self.padding_idx = path, padding_idx
+        self.dtype, self.device = dtype, torch.device(device)
+
+    def _error(self) -> EmbeddingsOffloadedError:
+        return EmbeddingsOffloadedError(
+            f"the word embeddings of this model live in {self.path}; call the model with "
+            "inputs_embeds=batch['inputs_embeds'] from embedpipe's loader, not input_ids"
+        )
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise self._error()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "weight":
+            raise self._error()
+        return super().__getattr__(name)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> OffloadedEmbedding:
+        # model.to(device) / .half() reach us here: follow them on an empty tensor (no memory)
+        probe = fn(torch.empty(0, dtype=self.dtype, device=self.device))
+        self.dtype, self.device = probe.dtype, probe.device
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, path={self.path!r}, dtype={self.dtype}"
+        )
+
+
+def offload(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    chunk_rows: int | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> Table:
+    """Write ``model``'s input word embeddings to a new table at ``path`` and drop them from it.
+
+    The weight ``[V, D]`` is stored bit for bit (float32, float16 or float64), then the model's
+    embedding module is replaced by an :class:`OffloadedEmbedding`, so the weight's memory is
+    freed once nothing else holds it (offload before building the optimizer). Refuses, before
+    writing anything, bfloat16 weights and weights tied to another parameter (see :func:`untie`).
+    Returns the table open for writing; close it or hand it to ``EmbeddingPipe``.
+    """
+    embeddings = model.get_input_embeddings()
+    if isinstance(embeddings, OffloadedEmbedding):
+        raise EmbeddingsOffloadedError(
+            f"this model's word embeddings were already offloaded to {embeddings.path}"
+        )
+    weight = embeddings.weight
+    if weight.dtype == torch.bfloat16:
+        raise InvalidRowsError(
+            "the input embeddings are bfloat16, which a zarr table cannot store; offload a float32 "
+            "copy (lossless) with model.get_input_embeddings().float() first (then cast "
+            "inputs_embeds to torch.bfloat16 before the model), or train in float32 with model.float()"
+        )
+    if weight.device.type == "meta":
+        raise InvalidRowsError(
+            "the input embeddings are on the meta device (not loaded); load the weights first"
+        )
+    placeholder = OffloadedEmbedding(
+        *weight.shape,
+        str(os.path.abspath(os.path.expanduser(path))),
+        padding_idx=getattr(embeddings, "padding_idx", None),
+        dtype=weight.dtype,
+        device=weight.device,
+    )
+    tied = _tied_names(model, embeddings, placeholder)
+    if tied:
+        output = getattr(model.get_output_embeddings(), "weight", None)
+        remedy = (
+            "call embedpipe.hf.untie(model) to give the output layer its own copy, then offload"
+            if _same_storage(output, weight)
+            else "give those parameters their own copy first"
+        )
+        name = next(n for n in _names(model, weight) if n not in tied)
+        raise TiedWeightsError(
+            f"the input embedding weight {name} is tied to {', '.join(tied)}; "
+            f"offloading it would leave {len(tied)} parameter(s) holding the table on the accelerator: {remedy}"
+        )
+    table = Table.from_tensor(
+        path, weight.detach(), chunk_rows=chunk_rows, overwrite=overwrite, progress=progress
+    )
+    placeholder.path = table.path
+    model.set_input_embeddings(placeholder)
+    return table
+
+
+def untie(model: nn.Module) -> nn.Module:
+    """Give the output layer its own copy of a weight tied to the input embeddings; returns ``model``.
+
+    Sets ``config.tie_word_embeddings = False`` on the model and every sub-model and recomputes
+    their ``all_tied_weights_keys`` (transformers 5), so ``tie_weights()``, ``post_init()`` and a
+    save/reload keep them apart. The two copies then train separately (``docs/huggingface.md``).
+    """
+    embeddings, output = model.get_input_embeddings(), model.get_output_embeddings()
+    weight = getattr(output, "weight", None)
+    if weight is not None and _same_storage(weight, getattr(embeddings, "weight", None)):
+        output.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+    submodels = [m for m in model.modules() if hasattr(m, "get_expanded_tied_weights_keys")]
+    for submodel in submodels:
+        if getattr(submodel.config, "tie_word_embeddings", False):
+            submodel.config.tie_word_embeddings = False
+    for submodel in submodels:
+        submodel.all_tied_weights_keys = submodel.get_expanded_tied_weights_keys(all_submodels=True)
+    return model
+
+
+def embedding_bytes(source: Any, optimizer: str | None = "adam", *, dtype: Any = None) -> int:
+    """Accelerator bytes an input embedding table costs while trained inside the model.
+
+    weight + gradient + optimizer state: ``optimizer`` "sgd" adds nothing, "adagrad" one copy,
+    "adam"/"adamw" two; ``None`` means a frozen table (weight only). ``source`` is a model (also
+    an offloaded one), an embedding module, a :class:`Table` or a ``(num_rows, dim)`` shape;
+    ``dtype`` (default: the source's, else float32) sets the bytes per value.
+    """
+    if hasattr(source, "get_input_embeddings"):
+        source = source.get_input_embeddings()
+    if isinstance(source, Table):
+        shape, source_dtype = (source.num_rows, source.dim), source.dtype
+    elif isinstance(source, OffloadedEmbedding):
+        shape, source_dtype = (source.num_embeddings, source.embedding_dim), source.dtype
+    elif isinstance(source, nn.Module):
+        shape, source_dtype = tuple(source.weight.shape), source.weight.dtype
+    else:
+        shape, source_dtype = tuple(source), torch.float32
+    if optimizer is not None and str(optimizer).lower() not in OPTIMIZER_COPIES:
+        raise ValueError(
+            f"optimizer must be one of {sorted(OPTIMIZER_COPIES)} or None, got {optimizer!r}"
+        )
+    copies = 1 if optimizer is None else 2 + OPTIMIZER_COPIES[str(optimizer).lower()]
+    dtype = source_dtype if dtype is None else dtype
+    itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else np.dtype(dtype).itemsize
+    return int(np.prod(shape)) * itemsize * copies
+
+
+def _same_storage(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """True when ``a`` and ``b`` are one tensor or views of one (non-empty) storage."""
+    if a is None or b is None:
+        return False
+    ptr = a.untyped_storage().data_ptr()
+    return a is b or (ptr != 0 and ptr == b.untyped_storage().data_ptr())
+
+
+def _names(model: nn.Module, weight: torch.Tensor) -> list[str]:
+    return [
+        n for n, p in model.named_parameters(remove_duplicate=False) if _same_storage(p, weight)
+    ]
+
+
+def _tied_names(
+    model: nn.Module, embeddings: nn.Module, placeholder: OffloadedEmbedding
+) -> list[str]:
+    """Parameters that would still hold the weight once ``placeholder`` replaced ``embeddings``.
+
+    Tried on the model itself and undone, so that models whose ``set_input_embeddings`` also
+    replaces aliases of the module (encoder and decoder sharing one table) are not refused.
+    """
+    model.set_input_embeddings(placeholder)
+    try:
+        return _names(model, embeddings.weight)
+    finally:
+        model.set_input_embeddings(embeddings)

@@ -1,0 +1,372 @@
+"""Benchmark random row reads and scattered row writes of an embedpipe Table, per chunk size.
+
+For a ``rows x dim`` float32 table and each chunk size (``--chunks`` plus the library's default
+from :func:`embedpipe.table.default_chunk_rows`) it measures:
+
+* random-row reads (rows/s) of uniformly random unique ids, per ``--batches`` size, from a warm
+  page cache, through four paths on the same bytes:
+
+  - ``memmap``: fancy indexing of a ``numpy.memmap`` of one flat file (the upper bound);
+  - ``Table.read``: embedpipe's raw path for a local uncompressed table (``RawRows``);
+  - ``zarr API``: ``get_orthogonal_selection`` of zarr-python on the same weight array, with the
+    ids sorted (what you get without embedpipe's raw path);
+  - ``Table.read zstd``: a zstd-compressed copy of the table, which goes through zarr's API;
+
+* scattered writes (rows/s) of ``Table.write`` with unique random ids, ``--write-batch`` per call,
+  on the uncompressed and the compressed table;
+* bytes on disk of both tables.
+
+Every measurement is repeated ``--repeats`` times and the median is reported. The paths are timed
+one after the other inside each repeat, on the same ids, so the ratios (which are what to quote on
+a shared, noisy machine) compare numbers taken in the same few seconds.
+
+Run it (about a minute on 2 cores with the defaults)::
+
+    python scripts/bench_table.py
+    python scripts/bench_table.py --rows 1000000 --dim 768 --chunks 16 64 256 --json out.json
+
+The tables are made in a fresh temporary folder (under ``--dir`` if given, to pick the
+filesystem) that is deleted at the end. Results go to stdout, progress bars to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import zarr
+from tqdm.auto import tqdm
+
+import embedpipe
+from embedpipe.rowstore import RawRows
+from embedpipe.table import CHUNK_BYTES, WEIGHT, Table, default_chunk_rows
+
+# Read paths in the order they are timed within a repeat, and the keys of their results.
+READ_PATHS = ("memmap", "table", "zarr", "table_compressed")
+
+
+# ----------------------------------------------------------------------------- arguments
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--rows", type=int, default=200_000, help="rows in the table")
+    p.add_argument("--dim", type=int, default=128, help="floats per row (float32)")
+    p.add_argument(
+        "--chunks",
+        type=int,
+        nargs="+",
+        default=[64, 256, 512, 2048, 8192],
+        help="rows per chunk to measure; the library's default is always added",
+    )
+    p.add_argument(
+        "--batches", type=int, nargs="+", default=[1000, 10000], help="ids per read call"
+    )
+    p.add_argument(
+        "--read-rows",
+        type=int,
+        default=10_000,
+        help="rows read per timed repeat (several calls when the batch is smaller)",
+    )
+    p.add_argument("--write-batch", type=int, default=1000, help="unique ids per write call")
+    p.add_argument("--write-rows", type=int, default=3000, help="rows written per timed repeat")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats; the median is reported")
+    p.add_argument(
+        "--compressor", choices=("zstd", "blosc"), default="zstd", help="codec of the compressed table"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dir", help="make the temporary folder here (default: the system's tmp)")
+    p.add_argument("--json", metavar="PATH", help="also write all results and samples as JSON")
+    args = p.parse_args(argv)
+    if args.write_batch > args.rows or max(args.batches) > args.rows:
+        p.error("--batches and --write-batch must not exceed --rows (ids are unique per call)")
+    return args
+
+
+def chunk_sizes(args: argparse.Namespace) -> tuple[list[int], int]:
+    """The chunk sizes to measure (sorted, at most ``rows``) and the library's default."""
+    default = default_chunk_rows(args.rows, args.dim, "float32")
+    sizes = sorted({min(c, args.rows) for c in args.chunks} | {default})
+    return sizes, default
+
+
+# ----------------------------------------------------------------------------- measuring
+def median_rate(rows: int, seconds: list[float]) -> float:
+    return rows / statistics.median(seconds)
+
+
+def time_calls(fn: Callable[[Any], Any], inputs: list[Any]) -> float:
+    """Seconds to call ``fn`` on each input in turn."""
+    start = time.perf_counter()
+    for x in inputs:
+        fn(x)
+    return time.perf_counter() - start
+
+
+def unique_ids(rng: np.random.Generator, num_rows: int, count: int) -> np.ndarray:
+    """``count`` distinct ids in random order: what a lookup sends after deduplication."""
+    return rng.choice(num_rows, size=count, replace=False).astype(np.int64)
+
+
+def read_paths(
+    flat: np.ndarray, table: Table, zarr_array: zarr.Array, compressed: Table
+) -> dict[str, tuple[Callable[[np.ndarray], Any], Callable[[np.ndarray], Any]]]:
+    """For each read path: (prepare ids untimed, read rows timed)."""
+    keep = lambda ids: ids  # noqa: E731
+    return {
+        "memmap": (keep, lambda ids: flat[ids]),
+        "table": (keep, table.read),
+        # zarr's orthogonal selection wants sorted unique ids; sorting is not zarr's cost.
+        "zarr": (np.sort, lambda ids: zarr_array.get_orthogonal_selection((ids, slice(None)))),
+        "table_compressed": (keep, compressed.read),
+    }
+
+
+def check_same_rows(paths: dict, ids: np.ndarray) -> None:
+    """All paths must return the same rows, or the comparison is meaningless."""
+    expected = paths["memmap"][1](ids)
+    for name, (prepare, read) in paths.items():
+        got = np.asarray(read(prepare(ids)))
+        want = expected[np.argsort(ids)] if name == "zarr" else expected
+        if not np.array_equal(got, want):
+            raise AssertionError(f"{name} returned different rows than the memmap")
+
+
+def bench_reads(
+    paths: dict, args: argparse.Namespace, batch: int, rng: np.random.Generator
+) -> dict[str, list[float]]:
+    """Seconds per repeat of reading ``--read-rows`` rows in calls of ``batch`` ids, per path."""
+    calls = max(1, args.read_rows // batch)
+    seconds: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(args.repeats):
+        batches = [unique_ids(rng, args.rows, batch) for _ in range(calls)]
+        for name, (prepare, read) in paths.items():
+            seconds[name].append(time_calls(read, [prepare(ids) for ids in batches]))
+    return seconds
+
+
+def bench_writes(
+    tables: dict[str, Table], args: argparse.Namespace, rng: np.random.Generator
+) -> dict[str, list[float]]:
+    """Seconds per repeat of writing ``--write-rows`` rows in calls of ``--write-batch`` ids."""
+    calls = max(1, args.write_rows // args.write_batch)
+    seconds: dict[str, list[float]] = {name: [] for name in tables}
+    for _ in range(args.repeats):
+        work = [
+            (
+                unique_ids(rng, args.rows, args.write_batch),
+                rng.standard_normal((args.write_batch, args.dim), dtype=np.float32),
+            )
+            for _ in range(calls)
+        ]
+        for name, table in tables.items():
+            seconds[name].append(time_calls(lambda w, t=table: t.write(*w), work))
+    return seconds
+
+
+# ----------------------------------------------------------------------------- one chunk size
+def make_tables(folder: str, args: argparse.Namespace, chunk_rows: int) -> tuple[str, str]:
+    """An uncompressed and a compressed table with the same rows; returns their paths."""
+    plain = os.path.join(folder, f"plain-{chunk_rows}.zarr")
+    packed = os.path.join(folder, f"{args.compressor}-{chunk_rows}.zarr")
+    for path, codec in ((plain, "none"), (packed, args.compressor)):
+        Table.create(
+            path, args.rows, args.dim, seed=args.seed, chunk_rows=chunk_rows, compressor=codec
+        ).close()
+    return plain, packed
+
+
+def warm(table: Table) -> None:
+    """Read the whole table once, so that the timed reads find it in the page cache."""
+    for _ in table.iter_blocks():
+        pass
+
+
+def bench_chunk_size(
+    folder: str, flat: np.ndarray, args: argparse.Namespace, chunk_rows: int, bar: tqdm
+) -> dict[str, Any]:
+    plain_path, packed_path = make_tables(folder, args, chunk_rows)
+    result: dict[str, Any] = {"chunk_rows": chunk_rows}
+    with Table.open(plain_path) as plain, Table.open(packed_path) as packed:
+        result["bytes"] = {"plain": plain.nbytes_on_disk(), "compressed": packed.nbytes_on_disk()}
+        zarr_array = zarr.open_array(os.path.join(plain_path, WEIGHT), mode="r")
+        result["raw_path"] = RawRows.supports(zarr_array) is not None
+        paths = read_paths(flat, plain, zarr_array, packed)
+        warm(plain)
+        warm(packed)
+        rng = np.random.default_rng([args.seed, chunk_rows])
+        check_same_rows(paths, unique_ids(rng, args.rows, max(args.batches)))  # also maps chunks
+        result["reads"] = {}
+        for batch in args.batches:
+            bar.set_postfix_str(f"chunk {chunk_rows}, read {batch}")
+            seconds = bench_reads(paths, args, batch, rng)
+            rows = max(1, args.read_rows // batch) * batch
+            result["reads"][batch] = {
+                "rows_per_repeat": rows,
+                "seconds": seconds,
+                "rows_per_s": {name: median_rate(rows, s) for name, s in seconds.items()},
+            }
+    bar.set_postfix_str(f"chunk {chunk_rows}, write")
+    with Table.open(plain_path, "r+") as plain, Table.open(packed_path, "r+") as packed:
+        tables = {"table": plain, "table_compressed": packed}
+        bench_writes(tables, _one_call(args), rng)  # untimed: first writes create the folders
+        seconds = bench_writes(tables, args, rng)
+    rows = max(1, args.write_rows // args.write_batch) * args.write_batch
+    result["writes"] = {
+        "rows_per_repeat": rows,
+        "seconds": seconds,
+        "rows_per_s": {name: median_rate(rows, s) for name, s in seconds.items()},
+    }
+    shutil.rmtree(plain_path)
+    shutil.rmtree(packed_path)
+    return result
+
+
+def _one_call(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` changed to one repeat of one write call, for warming up."""
+    return argparse.Namespace(**{**vars(args), "repeats": 1, "write_rows": args.write_batch})
+
+
+def make_flat(folder: str, args: argparse.Namespace) -> np.ndarray:
+    """The table's rows as one flat file, mapped with numpy.memmap (the baseline)."""
+    path = os.path.join(folder, "flat.f32")
+    source = Table.create(
+        os.path.join(folder, "source.zarr"), args.rows, args.dim, seed=args.seed
+    )
+    with source:
+        source.read_range(0, args.rows).tofile(path)
+    shutil.rmtree(source.path)
+    flat = np.memmap(path, dtype=np.float32, mode="r", shape=(args.rows, args.dim))
+    np.asarray(flat).sum()  # into the page cache
+    return flat
+
+
+# ----------------------------------------------------------------------------- reporting
+def machine() -> dict[str, Any]:
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace")
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    ) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    return {
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu": cpu,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "zarr": zarr.__version__,
+        "embedpipe": getattr(embedpipe, "__version__", "?"),
+    }
+
+
+def rate(x: float) -> str:
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k"
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if a / b < 10 else f"{a / b:.0f}x"
+
+
+def format_report(run: dict[str, Any]) -> str:
+    args, default, comp = run["args"], run["default_chunk_rows"], run["args"]["compressor"]
+    m = run["machine"]
+    lines = [
+        f"embedpipe Table benchmark: {args['rows']:,} rows x dim {args['dim']} float32, "
+        f"median of {args['repeats']} repeats",
+        f"{m['cpus']} cpus ({m['cpu']}), python {m['python']}, numpy {m['numpy']}, "
+        f"zarr {m['zarr']}; default chunk_rows = {default}",
+        "",
+        "Random-row reads (rows/s, unique random ids, warm page cache)",
+        _row(
+            "chunk", "batch", "memmap", "Table.read", "zarr API", f"Table {comp}",
+            "read/memmap", "read/zarr", f"{comp}/read", f"{comp}/zarr",
+        ),
+    ]  # fmt: skip
+    for res in run["results"]:
+        for batch, r in res["reads"].items():
+            v = r["rows_per_s"]
+            lines.append(
+                _row(
+                    _chunk_label(res, default), f"{int(batch):,}",
+                    rate(v["memmap"]), rate(v["table"]), rate(v["zarr"]),
+                    rate(v["table_compressed"]),
+                    ratio(v["table"], v["memmap"]), ratio(v["table"], v["zarr"]),
+                    ratio(v["table_compressed"], v["table"]),
+                    ratio(v["table_compressed"], v["zarr"]),
+                )
+            )  # fmt: skip
+    lines += [
+        "",
+        f"Scattered writes (rows/s, {args['write_batch']:,} unique random ids per call) "
+        "and bytes on disk",
+        _row("chunk", "", "Table.write", f"{comp} write", f"{comp}/plain", "",
+             "MiB plain", f"MiB {comp}", "saved"),
+    ]  # fmt: skip
+    for res in run["results"]:
+        w, b = res["writes"]["rows_per_s"], res["bytes"]
+        lines.append(
+            _row(
+                _chunk_label(res, default), "",
+                rate(w["table"]), rate(w["table_compressed"]),
+                ratio(w["table_compressed"], w["table"]), "",
+                f"{b['plain'] / 2**20:.1f}", f"{b['compressed'] / 2**20:.1f}",
+                f"{1 - b['compressed'] / b['plain']:.1%}",
+            )
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
+def _chunk_label(res: dict[str, Any], default: int) -> str:
+    label = str(res["chunk_rows"]) + ("*" if res["chunk_rows"] == default else "")
+    return label if res["raw_path"] else label + " (no raw path!)"
+
+
+def _row(*cells: str) -> str:
+    widths = (7, 7, 9, 11, 10, 11, 12, 10, 10, 10)
+    return " ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=False)).rstrip()
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sizes, default = chunk_sizes(args)
+    folder = tempfile.mkdtemp(prefix="bench_table-", dir=args.dir)
+    started = time.perf_counter()
+    try:
+        flat = make_flat(folder, args)
+        with tqdm(sizes, desc="chunk sizes", unit="size", file=sys.stderr) as bar:
+            results = [bench_chunk_size(folder, flat, args, c, bar) for c in bar]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    run = {
+        "args": vars(args),
+        "machine": machine(),
+        "chunk_bytes": CHUNK_BYTES,
+        "default_chunk_rows": default,
+        "seconds": time.perf_counter() - started,
+        "results": results,
+    }
+    print(format_report(run))
+    print(f"\n* the library's default. Took {run['seconds']:.0f} s.")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(run, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

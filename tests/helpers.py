@@ -1,0 +1,137 @@
+"""Training runs shared by the end-to-end tests: the same tiny BERT trained two ways.
+
+``train_reference`` keeps the word embeddings in the model (``nn.Embedding``) and trains them with a
+torch optimizer; ``train_offloaded`` takes them out into a Table and trains them through an
+EmbeddingPipe. Everything else (model, data, dense optimizer, order) is identical, so the tables
+must agree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import BertForSequenceClassification
+
+import embedpipe
+from embedpipe.pipe import EmbeddingPipe
+
+from .conftest import tiny_bert_config
+
+VOCAB = 1000
+SEQ = 16
+
+
+def zipf_dataset(n: int, seed: int = 0, vocab: int = VOCAB, padded: bool = False) -> list[dict]:
+    """``n`` samples of Zipf-distributed token ids (a few ids in every batch), with labels."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i in range(n):
+        ids = np.minimum(rng.zipf(1.2, SEQ), vocab - 1).astype(np.int64)
+        mask = np.ones(SEQ, dtype=np.int64)
+        if padded:  # right padding with id 0, as a tokenizer does
+            length = int(rng.integers(SEQ // 2, SEQ + 1))
+            ids[length:], mask[length:] = 0, 0
+        samples.append(
+            {
+                "input_ids": torch.from_numpy(ids),
+                "attention_mask": torch.from_numpy(mask),
+                "labels": torch.tensor(i % 2),
+            }
+        )
+    return samples
+
+
+def tiny_model(seed: int = 0) -> BertForSequenceClassification:
+    torch.manual_seed(seed)
+    return BertForSequenceClassification(tiny_bert_config(VOCAB)).eval()  # eval: no dropout
+
+
+REFERENCE_OPTIMIZERS = {
+    "sgd": lambda p, lr: torch.optim.SGD(p, lr=lr),
+    "adagrad": lambda p, lr: torch.optim.Adagrad(p, lr=lr),
+    "adam": lambda p, lr: torch.optim.SparseAdam(p, lr=lr),
+}
+PIPE_OPTIMIZERS = {
+    "sgd": lambda lr: embedpipe.optim.SGD(lr=lr),
+    "adagrad": lambda lr: embedpipe.optim.Adagrad(lr=lr),
+    "adam": lambda lr: embedpipe.optim.Adam(lr=lr),
+}
+
+
+def _dense_optimizer(model):
+    params = [p for n, p in model.named_parameters() if "word_embeddings" not in n]
+    return torch.optim.SGD(params, lr=0.05)
+
+
+def train_reference(data, optimizer: str, lr: float, batch_size: int = 8):
+    """The baseline: nn.Embedding in the model, trained by the matching torch optimizer."""
+    model = tiny_model()
+    emb = model.bert.embeddings.word_embeddings
+    if optimizer == "adam":  # SparseAdam needs sparse gradients
+        emb.sparse = True
+    emb_opt = REFERENCE_OPTIMIZERS[optimizer]([emb.weight], lr)
+    dense = _dense_optimizer(model)
+    for start in range(0, len(data), batch_size):
+        batch = torch.utils.data.default_collate(data[start : start + batch_size])
+        out = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            labels=batch["labels"],
+        )
+        emb_opt.zero_grad()
+        dense.zero_grad()
+        out.loss.backward()
+        emb_opt.step()
+        dense.step()
+    return emb.weight.detach().clone(), model
+
+
+def train_offloaded(
+    data,
+    optimizer: str | None,
+    lr: float,
+    path,
+    *,
+    batch_size: int = 8,
+    cache_rows: int = 50,
+    num_workers: int = 0,
+    **options,
+):
+    """The same training with the table in ``path`` behind an EmbeddingPipe.
+
+    ``options`` go to the loader (DataLoader keywords) or the pipe (``consistency``...).
+    """
+    model = tiny_model()
+    weight = model.bert.embeddings.word_embeddings.weight.detach().clone()
+    embedpipe.Table.from_tensor(path, weight, chunk_rows=64).close()
+    pipe_keys = {
+        "consistency",
+        "max_staleness",
+        "padding_idx",
+        "grad_accumulation",
+        "policy",
+        "check_finite",
+    }
+    pipe_options = {k: v for k, v in options.items() if k in pipe_keys}
+    loader_options = {k: v for k, v in options.items() if k not in pipe_keys}
+    dense = _dense_optimizer(model)
+    opt = PIPE_OPTIMIZERS[optimizer](lr) if optimizer else None
+    with EmbeddingPipe(path, cache_rows=cache_rows, optimizer=opt, **pipe_options) as pipe:
+        loader = pipe.loader(data, batch_size=batch_size, num_workers=num_workers, **loader_options)
+        for batch in loader:
+            out = model(
+                inputs_embeds=batch["inputs_embeds"],
+                attention_mask=batch["attention_mask"],
+                labels=batch["labels"],
+            )
+            dense.zero_grad()
+            out.loss.backward()
+            dense.step()
+    stats = pipe.stats()  # after close: every step applied
+    table = embedpipe.Table.open(path)
+    return table.to_tensor(), model, stats, table
+
+
+def same_dense_params(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return all(torch.equal(sa[k], sb[k]) for k in sa if "word_embeddings" not in k)

@@ -1,0 +1,162 @@
+"""EmbeddingPipe end to end: a tiny BERT trained with its table offloaded equals nn.Embedding training."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import embedpipe
+from embedpipe.pipe import EmbeddingPipe
+
+from .helpers import (
+    VOCAB,
+    same_dense_params,
+    tiny_model,
+    train_offloaded,
+    train_reference,
+    zipf_dataset,
+)
+
+STEPS = 24
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def data():
+    return zipf_dataset(STEPS * BATCH)
+
+
+def test_frozen_pipe_outputs_equal_input_ids_bit_for_bit(tmp_path, data):
+    model = tiny_model()
+    weight = model.bert.embeddings.word_embeddings.weight.detach()
+    embedpipe.Table.from_tensor(tmp_path / "t.zarr", weight, chunk_rows=64).close()
+    with EmbeddingPipe(tmp_path / "t.zarr", cache_rows=50) as pipe, torch.no_grad():
+        for batch in pipe.loader(
+            zipf_dataset(32, seed=3, padded=True), batch_size=8, num_workers=2
+        ):
+            expected = model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            ).logits
+            got = model(
+                inputs_embeds=batch["inputs_embeds"], attention_mask=batch["attention_mask"]
+            ).logits
+            assert torch.equal(got, expected)
+            assert not batch["inputs_embeds"].requires_grad
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_training_equals_nn_embedding_bit_for_bit(tmp_path, data, optimizer):
+    reference, ref_model = train_reference(data, optimizer, lr=0.5)
+    table, model, stats, _ = train_offloaded(
+        data,
+        optimizer,
+        lr=0.5,
+        path=tmp_path / "t.zarr",
+        cache_rows=VOCAB // 20,
+        num_workers=2,
+        prefetch_factor=4,
+    )
+    assert stats["steps"] == STEPS and stats["evictions"] > 0 and stats["refreshed"] > 0
+    assert (table - reference).abs().max().item() <= 1e-6
+    assert torch.equal(table, reference)
+    assert same_dense_params(model, ref_model)
+
+
+def test_adam_equals_sparse_adam_within_tolerance(tmp_path, data):
+    reference, _ = train_reference(data, "adam", lr=0.1)
+    table, _, _, _ = train_offloaded(
+        data,
+        "adam",
+        lr=0.1,
+        path=tmp_path / "t.zarr",
+        cache_rows=VOCAB // 20,
+        num_workers=2,
+        prefetch_factor=4,
+    )
+    # SparseAdam sums repeated ids in coalesce()'s order, embedpipe in occurrence order: rounding only.
+    torch.testing.assert_close(table, reference, rtol=1e-5, atol=1e-5)
+    assert (table - reference).abs().max().item() > 0 or torch.equal(table, reference)
+
+
+def test_exact_mode_is_identical_across_workers_and_cache_sizes(tmp_path, data):
+    results = {}
+    for num_workers in (0, 2, 4):
+        for cache_rows in (0, VOCAB // 20, VOCAB):
+            table, _, stats, _ = train_offloaded(
+                data,
+                "adagrad",
+                lr=0.5,
+                path=tmp_path / f"t{num_workers}_{cache_rows}.zarr",
+                cache_rows=cache_rows,
+                num_workers=num_workers,
+            )
+            results[num_workers, cache_rows] = table
+            assert stats["steps"] == STEPS
+    first = results[0, 0]
+    for key, table in results.items():
+        assert torch.equal(table, first), key
+
+
+def test_optimizer_state_is_saved_next_to_the_rows(tmp_path, data):
+    reference, _ = train_reference(data, "adagrad", lr=0.5)
+    _, _, _, table = train_offloaded(
+        data, "adagrad", lr=0.5, path=tmp_path / "t.zarr", cache_rows=30
+    )
+    assert table.state_names == ["sum"]
+    assert table.step == STEPS and table.metadata["optimizer"]["name"] == "adagrad"
+    # Adagrad's accumulator of the reference, rebuilt: rows never looked up stay at 0.
+    touched = torch.unique(torch.stack([s["input_ids"] for s in data]))
+    state = torch.from_numpy(table.read(np.arange(VOCAB), "sum"))
+    untouched = torch.ones(VOCAB, dtype=torch.bool)
+    untouched[touched] = False
+    assert (state[untouched] == 0).all() and (state[touched] > 0).all()
+
+
+def test_padded_batches_and_padding_idx(tmp_path):
+    data = zipf_dataset(64, seed=5, padded=True)
+    table, _, _, _ = train_offloaded(
+        data, "sgd", lr=0.5, path=tmp_path / "t.zarr", padding_idx=0, num_workers=2
+    )
+    original = tiny_model().bert.embeddings.word_embeddings.weight.detach()
+    assert torch.equal(table[0], original[0])  # looked up in every batch, never updated
+    assert not torch.equal(table[1], original[1])
+
+
+def test_gradient_accumulation_sums_batches_into_one_step(tmp_path, data):
+    # Reference: torch with grads summed over 2 batches of 4 is one step per 8 samples...
+    reference, _ = _reference_accumulated(data, accumulate=2)
+    table, _, stats, _ = train_offloaded(
+        data,
+        "sgd",
+        lr=0.5,
+        path=tmp_path / "t.zarr",
+        batch_size=4,
+        grad_accumulation=2,
+        num_workers=2,
+    )
+    assert stats["steps"] == len(data) // 8
+    torch.testing.assert_close(table, reference, rtol=0, atol=1e-6)
+
+
+def _reference_accumulated(data, accumulate):
+    model = tiny_model()
+    emb = model.bert.embeddings.word_embeddings
+    opt = torch.optim.SGD([emb.weight], lr=0.5)
+    dense = torch.optim.SGD(
+        [p for n, p in model.named_parameters() if "word_embeddings" not in n], lr=0.05
+    )
+    for i, start in enumerate(range(0, len(data), 4)):
+        batch = torch.utils.data.default_collate(data[start : start + 4])
+        out = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            labels=batch["labels"],
+        )
+        dense.zero_grad()
+        out.loss.backward()
+        dense.step()  # the dense part steps every batch, as in train_offloaded
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            opt.zero_grad()
+    return emb.weight.detach().clone(), model
