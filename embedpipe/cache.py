@@ -23,6 +23,7 @@ x86-64 (total store order); see docs/consistency.md.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -116,6 +117,17 @@ class SharedRows:
         self.version[slots] += 1
 
 
+@dataclass
+class Update:
+    """One optimizer step's working copy: ``rows`` and ``state`` (U, D) of ``ids``; ``slots`` -1
+    where the id was not cached. The optimizer changes ``rows`` and ``state`` in place."""
+
+    ids: np.ndarray
+    slots: np.ndarray
+    rows: np.ndarray
+    state: dict[str, np.ndarray]
+
+
 class RowCache:
     """The owner's cache: ``cache_rows`` slots over a table reached through ``fetch``/``store``.
 
@@ -143,6 +155,7 @@ class RowCache:
         self.dirty = np.zeros(size, dtype=bool)
         self.state = {name: np.zeros((size, dim), dtype=shared.rows.dtype) for name in state}
         self.state_loaded = np.zeros(size, dtype=bool)
+        self.pinned = np.zeros(size, dtype=bool)  # slots an optimizer step is computing on
         self.last_updated = np.full(len(shared.slot_of), step, dtype=np.int32)
         self.shared.clock[0] = step
         self.counts = {"evictions": 0, "rows_read": 0, "rows_written": 0}
@@ -170,7 +183,8 @@ class RowCache:
         cached = slots >= 0
         new = np.flatnonzero(~cached)
         if len(new):
-            free = self.policy.victims(len(new), keep=slots[cached])
+            keep = np.concatenate([slots[cached], np.flatnonzero(self.pinned)])
+            free = self.policy.victims(len(new), keep=keep)
             self._evict(free[self.shared.slot_id[free] >= 0])
             new = new[: len(free)]
             self.shared.put(free, ids[new], rows[new])
@@ -180,44 +194,57 @@ class RowCache:
         self.policy.touch(slots[slots >= 0])
 
     # ----------------------------------------------------------------- writeback thread
-    def apply(
-        self, ids: np.ndarray, grad: torch.Tensor, step: int, update: Callable[..., None]
-    ) -> None:
-        """Apply ``update(rows, grad, state, step)`` to the rows of ``ids`` (unique), in place.
+    def gather(self, ids: np.ndarray) -> Update:
+        """Copies of the rows and state of ``ids`` (unique) for an optimizer step.
 
-        Cached rows change in the cache (and become dirty); uncached rows are read from the
-        table, updated and written back at once. Every changed id is logged at ``step``.
+        Cached rows are pinned: no admission evicts them until :meth:`scatter`, so the step can be
+        computed outside the pipe's lock while hand-offs go on.
         """
         slots = self.shared.slot_of[ids].astype(np.int64)
-        cached = np.flatnonzero(slots >= 0)
+        cached = slots >= 0
         s = slots[cached]
-        if len(cached):
-            self._load_state(s)
-            rows = self.shared.rows[s]
-            state = {name: array[s] for name, array in self.state.items()}
-            update(
-                torch.from_numpy(rows),
-                grad[cached],
-                {k: torch.from_numpy(v) for k, v in state.items()},
-                step,
-            )
-            self.shared.overwrite(s, rows)
-            for name, array in self.state.items():
-                array[s] = state[name]
-            self.dirty[s] = True
-        rest = np.flatnonzero(slots < 0)
-        if len(rest):
-            rest_ids = ids[rest]
-            rows = self._fetch(rest_ids, "weight")
-            state = {name: self._fetch(rest_ids, name) for name in self.state}
-            update(
-                torch.from_numpy(rows),
-                grad[rest],
-                {k: torch.from_numpy(v) for k, v in state.items()},
-                step,
-            )
-            self._store(rest_ids, rows, state)
+        self._load_state(s)
+        self.pinned[s] = True
+        rows = np.empty((len(ids), self.shared.rows.shape[1]), dtype=self.shared.rows.dtype)
+        rows[cached] = self.shared.rows[s]
+        state = {name: np.empty_like(rows) for name in self.state}
+        for name, array in self.state.items():
+            state[name][cached] = array[s]
+        if not cached.all():
+            rest = ids[~cached]
+            rows[~cached] = self._fetch(rest, "weight")
+            for name in self.state:
+                state[name][~cached] = self._fetch(rest, name)
+        return Update(ids, slots, rows, state)
+
+    def scatter(self, update: Update, step: int) -> None:
+        """Put the updated rows back: into their pinned slots, and into the table for the rest.
+
+        A row that was not cached at :meth:`gather` is written to the table; if a hand-off has
+        admitted it since, its cached copy is replaced too, so no update is lost.
+        """
+        ids, slots, rows, state = update.ids, update.slots, update.rows, update.state
+        cached = slots >= 0
+        s = slots[cached]
+        self._put_rows(s, rows[cached], {k: v[cached] for k, v in state.items()})
+        self.pinned[s] = False
+        if not cached.all():
+            rest = np.flatnonzero(~cached)
+            self._store(ids[rest], rows[rest], {k: v[rest] for k, v in state.items()})
+            now = self.shared.slot_of[ids[rest]].astype(np.int64)
+            admitted = now >= 0
+            if admitted.any():
+                picked = rest[admitted]
+                self._put_rows(now[admitted], rows[picked], {k: v[picked] for k, v in state.items()})
+                self.dirty[now[admitted]] = False  # the table has it already
         self.last_updated[ids] = step
+
+    def _put_rows(self, slots: np.ndarray, rows: np.ndarray, state: dict[str, np.ndarray]) -> None:
+        self.shared.overwrite(slots, rows)
+        for name, array in self.state.items():
+            array[slots] = state[name]
+        self.state_loaded[slots] = True
+        self.dirty[slots] = True
 
     def flush(self) -> int:
         """Write every dirty row (and its state) to the table; returns how many."""

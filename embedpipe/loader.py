@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from .batch import EmbeddedBatch
 from .ring import BatchRing
-from .worker import CheckedDataset, CheckedIterable, Lookup
+from .worker import CheckedDataset, CheckedIterable, LookedUp, Lookup
 
 if TYPE_CHECKING:
     from .pipe import EmbeddingPipe
@@ -65,12 +65,28 @@ class PipeLoader:
         )
 
     def __iter__(self) -> Iterator[EmbeddedBatch]:
-        for item in self.dataloader:
+        for item in self._lookups():
             if item.slot >= 0:
                 rows = self.ring.read(item.slot, item.tag, len(item.unique_ids))
             else:
                 rows = item.rows.numpy()
             yield self.pipe._hand_off(item, rows)
+
+    def _lookups(self) -> Iterator[LookedUp]:
+        """The DataLoader's output. Without workers the lookup runs in this thread at ``next()``:
+        in exact mode, let the writeback finish first so that it reads current rows."""
+        writeback = self.pipe.writeback
+        if self.dataloader.num_workers > 0 or writeback is None or self.pipe.consistency != "exact":
+            yield from self.dataloader
+            return
+        iterator = iter(self.dataloader)
+        while True:
+            writeback.wait()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            yield item
 
     def __len__(self) -> int:
         return len(self.dataloader)

@@ -28,7 +28,7 @@ from .optim import RowOptimizer
 from .policy import make_policy
 from .table import Table
 from .worker import LookedUp
-from .writeback import Writeback
+from .writeback import Writeback, WritebackError
 
 CONSISTENCY = ("exact", "bounded")
 
@@ -183,23 +183,41 @@ class EmbeddingPipe:
         self.flush()
 
     def close(self) -> None:
-        """Flush, stop the writeback thread and release the table (if the pipe opened it)."""
+        """Apply what is queued, write every updated row to the table, stop the writeback thread
+        and release the table (if the pipe opened it).
+
+        If the writeback thread failed, the steps before the failure are still written (the
+        table's ``step`` says which) and the error is raised after that.
+        """
+        self._close(raise_errors=True)
+
+    def _close(self, raise_errors: bool) -> None:
         if self._closed:
             return
+        self._closed = True
+        error = None
         try:
-            self.flush()
-        finally:
-            self._closed = True
             if self.writeback is not None:
-                self.writeback.close()
+                if self._pending:
+                    self._submit()
+                try:
+                    self.writeback.close()  # applies everything queued first
+                except WritebackError as e:
+                    error = e
+                with self._lock:
+                    self.cache.flush()
+                    self.table.update_metadata(step=self.writeback.applied)
+        finally:
             if self._owns_table:
                 self.table.close()
+        if error is not None and raise_errors:
+            raise error
 
     def __enter__(self) -> EmbeddingPipe:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self._close(raise_errors=exc_type is None)  # don't hide the error already on its way
 
     # ------------------------------------------------------------------------- training loop
     def _hand_off(self, item: LookedUp, rows: np.ndarray | None) -> EmbeddedBatch:
@@ -270,8 +288,13 @@ class EmbeddingPipe:
 
     # ------------------------------------------------------------------------- writeback thread
     def _apply(self, ids: np.ndarray, grad: torch.Tensor, step: int) -> None:
+        """One optimizer step; the update itself runs outside the lock, so hand-offs go on."""
         with self._lock:
-            self.cache.apply(ids, grad, step, self.optimizer.update)
+            work = self.cache.gather(ids)
+        state = {name: torch.from_numpy(rows) for name, rows in work.state.items()}
+        self.optimizer.update(torch.from_numpy(work.rows), grad, state, step)
+        with self._lock:
+            self.cache.scatter(work, step)
             self.shared.clock[0] = step  # published last: a lookup that saw it sees the rows
 
     def _check_open(self) -> None:

@@ -16,9 +16,10 @@ from :func:`embedpipe.table.default_chunk_rows`) it measures:
   on the uncompressed and the compressed table;
 * bytes on disk of both tables.
 
-Every measurement is repeated ``--repeats`` times and the median is reported. The paths are timed
-one after the other inside each repeat, on the same ids, so the ratios (which are what to quote on
-a shared, noisy machine) compare numbers taken in the same few seconds.
+Every measurement is repeated ``--repeats`` times and the median is reported; one repeat calls a
+path with fresh random ids until ``--min-time`` seconds are spent in it (once at least). The paths
+take turns inside each repeat, so the ratios between them (which are what to quote on a shared,
+noisy machine) compare numbers taken within the same few seconds.
 
 Run it (about a minute on 2 cores with the defaults)::
 
@@ -51,9 +52,6 @@ import embedpipe
 from embedpipe.rowstore import RawRows
 from embedpipe.table import CHUNK_BYTES, WEIGHT, Table, default_chunk_rows
 
-# Read paths in the order they are timed within a repeat, and the keys of their results.
-READ_PATHS = ("memmap", "table", "zarr", "table_compressed")
-
 
 # ----------------------------------------------------------------------------- arguments
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,17 +71,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--batches", type=int, nargs="+", default=[1000, 10000], help="ids per read call"
     )
-    p.add_argument(
-        "--read-rows",
-        type=int,
-        default=10_000,
-        help="rows read per timed repeat (several calls when the batch is smaller)",
-    )
     p.add_argument("--write-batch", type=int, default=1000, help="unique ids per write call")
-    p.add_argument("--write-rows", type=int, default=3000, help="rows written per timed repeat")
+    p.add_argument(
+        "--min-time",
+        type=float,
+        default=0.05,
+        help="seconds each path is timed per repeat (one call at least, fresh ids every call)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed repeats; the median is reported")
     p.add_argument(
-        "--compressor", choices=("zstd", "blosc"), default="zstd", help="codec of the compressed table"
+        "--compressor",
+        choices=("zstd", "blosc"),
+        default="zstd",
+        help="codec of the compressed table",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", help="make the temporary folder here (default: the system's tmp)")
@@ -102,27 +102,40 @@ def chunk_sizes(args: argparse.Namespace) -> tuple[list[int], int]:
 
 
 # ----------------------------------------------------------------------------- measuring
-def median_rate(rows: int, seconds: list[float]) -> float:
-    return rows / statistics.median(seconds)
-
-
-def time_calls(fn: Callable[[Any], Any], inputs: list[Any]) -> float:
-    """Seconds to call ``fn`` on each input in turn."""
-    start = time.perf_counter()
-    for x in inputs:
-        fn(x)
-    return time.perf_counter() - start
-
-
 def unique_ids(rng: np.random.Generator, num_rows: int, count: int) -> np.ndarray:
     """``count`` distinct ids in random order: what a lookup sends after deduplication."""
     return rng.choice(num_rows, size=count, replace=False).astype(np.int64)
 
 
+def time_calls(
+    call: Callable[[Any], Any], make_input: Callable[[], Any], min_seconds: float
+) -> tuple[int, float]:
+    """Call ``call`` on fresh inputs until ``min_seconds`` have been spent in it (once at least).
+
+    Only the calls are timed, not making their inputs. A fast path is called many times, so a
+    repeat is not one call of a few hundred microseconds; a slow one is called once. Returns
+    (calls, seconds).
+    """
+    calls, seconds = 0, 0.0
+    while calls == 0 or seconds < min_seconds:
+        x = make_input()
+        start = time.perf_counter()
+        call(x)
+        seconds += time.perf_counter() - start
+        calls += 1
+    return calls, seconds
+
+
+def summarize(per_call: int, samples: list[tuple[int, float]]) -> dict[str, Any]:
+    """The median rate over repeats, with the samples (calls, seconds) behind it."""
+    rates = [calls * per_call / seconds for calls, seconds in samples]
+    return {"rows_per_s": statistics.median(rates), "samples": samples}
+
+
 def read_paths(
     flat: np.ndarray, table: Table, zarr_array: zarr.Array, compressed: Table
 ) -> dict[str, tuple[Callable[[np.ndarray], Any], Callable[[np.ndarray], Any]]]:
-    """For each read path: (prepare ids untimed, read rows timed)."""
+    """For each read path: (prepare ids, untimed; read rows, timed)."""
     keep = lambda ids: ids  # noqa: E731
     return {
         "memmap": (keep, lambda ids: flat[ids]),
@@ -145,34 +158,35 @@ def check_same_rows(paths: dict, ids: np.ndarray) -> None:
 
 def bench_reads(
     paths: dict, args: argparse.Namespace, batch: int, rng: np.random.Generator
-) -> dict[str, list[float]]:
-    """Seconds per repeat of reading ``--read-rows`` rows in calls of ``batch`` ids, per path."""
-    calls = max(1, args.read_rows // batch)
-    seconds: dict[str, list[float]] = {name: [] for name in paths}
+) -> dict[str, dict[str, Any]]:
+    """Median rows/s of reading ``batch`` random unique ids per call, per path.
+
+    The paths take turns within each repeat, so a noisy neighbour slows them all alike.
+    """
+    samples: dict[str, list[tuple[int, float]]] = {name: [] for name in paths}
     for _ in range(args.repeats):
-        batches = [unique_ids(rng, args.rows, batch) for _ in range(calls)]
         for name, (prepare, read) in paths.items():
-            seconds[name].append(time_calls(read, [prepare(ids) for ids in batches]))
-    return seconds
+            make = lambda p=prepare: p(unique_ids(rng, args.rows, batch))  # noqa: E731
+            samples[name].append(time_calls(read, make, args.min_time))
+    return {name: summarize(batch, s) for name, s in samples.items()}
 
 
 def bench_writes(
     tables: dict[str, Table], args: argparse.Namespace, rng: np.random.Generator
-) -> dict[str, list[float]]:
-    """Seconds per repeat of writing ``--write-rows`` rows in calls of ``--write-batch`` ids."""
-    calls = max(1, args.write_rows // args.write_batch)
-    seconds: dict[str, list[float]] = {name: [] for name in tables}
+) -> dict[str, dict[str, Any]]:
+    """Median rows/s of ``Table.write`` of ``--write-batch`` random unique ids per call."""
+    batch = args.write_batch
+
+    def make() -> tuple[np.ndarray, np.ndarray]:
+        rows = rng.standard_normal((batch, args.dim), dtype=np.float32)
+        return unique_ids(rng, args.rows, batch), rows
+
+    samples: dict[str, list[tuple[int, float]]] = {name: [] for name in tables}
     for _ in range(args.repeats):
-        work = [
-            (
-                unique_ids(rng, args.rows, args.write_batch),
-                rng.standard_normal((args.write_batch, args.dim), dtype=np.float32),
-            )
-            for _ in range(calls)
-        ]
         for name, table in tables.items():
-            seconds[name].append(time_calls(lambda w, t=table: t.write(*w), work))
-    return seconds
+            write = lambda w, t=table: t.write(*w)  # noqa: E731
+            samples[name].append(time_calls(write, make, args.min_time))
+    return {name: summarize(batch, s) for name, s in samples.items()}
 
 
 # ----------------------------------------------------------------------------- one chunk size
@@ -196,54 +210,42 @@ def warm(table: Table) -> None:
 def bench_chunk_size(
     folder: str, flat: np.ndarray, args: argparse.Namespace, chunk_rows: int, bar: tqdm
 ) -> dict[str, Any]:
+    """Everything measured for one chunk size; its tables are deleted afterwards."""
+    clock = time.perf_counter()
     plain_path, packed_path = make_tables(folder, args, chunk_rows)
-    result: dict[str, Any] = {"chunk_rows": chunk_rows}
+    result: dict[str, Any] = {"chunk_rows": chunk_rows, "reads": {}, "seconds": {}}
+    result["seconds"]["create"] = time.perf_counter() - clock
+    rng = np.random.default_rng([args.seed, chunk_rows])
     with Table.open(plain_path) as plain, Table.open(packed_path) as packed:
         result["bytes"] = {"plain": plain.nbytes_on_disk(), "compressed": packed.nbytes_on_disk()}
         zarr_array = zarr.open_array(os.path.join(plain_path, WEIGHT), mode="r")
+        # Table.read of an uncompressed local table must take the raw path, or we measure zarr.
         result["raw_path"] = RawRows.supports(zarr_array) is not None
         paths = read_paths(flat, plain, zarr_array, packed)
+        clock = time.perf_counter()
         warm(plain)
         warm(packed)
-        rng = np.random.default_rng([args.seed, chunk_rows])
-        check_same_rows(paths, unique_ids(rng, args.rows, max(args.batches)))  # also maps chunks
-        result["reads"] = {}
+        check_same_rows(paths, unique_ids(rng, args.rows, max(args.batches)))  # maps chunks too
+        result["seconds"]["warm"] = time.perf_counter() - clock
+        clock = time.perf_counter()
         for batch in args.batches:
-            bar.set_postfix_str(f"chunk {chunk_rows}, read {batch}")
-            seconds = bench_reads(paths, args, batch, rng)
-            rows = max(1, args.read_rows // batch) * batch
-            result["reads"][batch] = {
-                "rows_per_repeat": rows,
-                "seconds": seconds,
-                "rows_per_s": {name: median_rate(rows, s) for name, s in seconds.items()},
-            }
-    bar.set_postfix_str(f"chunk {chunk_rows}, write")
+            bar.set_postfix_str(f"chunk {chunk_rows}: reads of {batch}")
+            result["reads"][batch] = bench_reads(paths, args, batch, rng)
+    result["seconds"]["reads"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    bar.set_postfix_str(f"chunk {chunk_rows}: writes")
     with Table.open(plain_path, "r+") as plain, Table.open(packed_path, "r+") as packed:
-        tables = {"table": plain, "table_compressed": packed}
-        bench_writes(tables, _one_call(args), rng)  # untimed: first writes create the folders
-        seconds = bench_writes(tables, args, rng)
-    rows = max(1, args.write_rows // args.write_batch) * args.write_batch
-    result["writes"] = {
-        "rows_per_repeat": rows,
-        "seconds": seconds,
-        "rows_per_s": {name: median_rate(rows, s) for name, s in seconds.items()},
-    }
+        result["writes"] = bench_writes({"table": plain, "table_compressed": packed}, args, rng)
+    result["seconds"]["writes"] = time.perf_counter() - clock
     shutil.rmtree(plain_path)
     shutil.rmtree(packed_path)
     return result
 
 
-def _one_call(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` changed to one repeat of one write call, for warming up."""
-    return argparse.Namespace(**{**vars(args), "repeats": 1, "write_rows": args.write_batch})
-
-
 def make_flat(folder: str, args: argparse.Namespace) -> np.ndarray:
     """The table's rows as one flat file, mapped with numpy.memmap (the baseline)."""
     path = os.path.join(folder, "flat.f32")
-    source = Table.create(
-        os.path.join(folder, "source.zarr"), args.rows, args.dim, seed=args.seed
-    )
+    source = Table.create(os.path.join(folder, "source.zarr"), args.rows, args.dim, seed=args.seed)
     with source:
         source.read_range(0, args.rows).tofile(path)
     shutil.rmtree(source.path)
@@ -253,18 +255,23 @@ def make_flat(folder: str, args: argparse.Namespace) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- reporting
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
 def machine() -> dict[str, Any]:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace")
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    ) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    """What the numbers depend on besides the code."""
     return {
-        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu": cpu,
+        # the CPUs this process may run on, which is what nproc prints
+        "cpus": len(os.sched_getaffinity(0)),
+        "cpu": cpu_model(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "numpy": np.__version__,
@@ -298,7 +305,7 @@ def format_report(run: dict[str, Any]) -> str:
     ]  # fmt: skip
     for res in run["results"]:
         for batch, r in res["reads"].items():
-            v = r["rows_per_s"]
+            v = {name: path["rows_per_s"] for name, path in r.items()}
             lines.append(
                 _row(
                     _chunk_label(res, default), f"{int(batch):,}",
@@ -317,7 +324,8 @@ def format_report(run: dict[str, Any]) -> str:
              "MiB plain", f"MiB {comp}", "saved"),
     ]  # fmt: skip
     for res in run["results"]:
-        w, b = res["writes"]["rows_per_s"], res["bytes"]
+        w = {name: path["rows_per_s"] for name, path in res["writes"].items()}
+        b = res["bytes"]
         lines.append(
             _row(
                 _chunk_label(res, default), "",

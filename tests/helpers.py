@@ -64,7 +64,10 @@ def _dense_optimizer(model):
 
 
 def train_reference(data, optimizer: str, lr: float, batch_size: int = 8):
-    """The baseline: nn.Embedding in the model, trained by the matching torch optimizer."""
+    """The baseline: nn.Embedding in the model, trained by the matching torch optimizer.
+
+    Returns the trained table, the model and the torch optimizer's state for the table.
+    """
     model = tiny_model()
     emb = model.bert.embeddings.word_embeddings
     if optimizer == "adam":  # SparseAdam needs sparse gradients
@@ -83,7 +86,7 @@ def train_reference(data, optimizer: str, lr: float, batch_size: int = 8):
         out.loss.backward()
         emb_opt.step()
         dense.step()
-    return emb.weight.detach().clone(), model
+    return emb.weight.detach().clone(), model, emb_opt.state[emb.weight]
 
 
 def train_offloaded(
