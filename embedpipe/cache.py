@@ -235,7 +235,9 @@ class RowCache:
             admitted = now >= 0
             if admitted.any():
                 picked = rest[admitted]
-                self._put_rows(now[admitted], rows[picked], {k: v[picked] for k, v in state.items()})
+                self._put_rows(
+                    now[admitted], rows[picked], {k: v[picked] for k, v in state.items()}
+                )
                 self.dirty[now[admitted]] = False  # the table has it already
         self.last_updated[ids] = step
 

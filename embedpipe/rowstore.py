@@ -3,22 +3,30 @@
 zarr-python's selection API pays about 0.2 ms of Python per chunk it touches, which caps random
 row reads at 7k-80k rows/s. A local, uncompressed array with chunks of whole rows keeps every
 chunk as a plain file of C-ordered little-endian rows (zarr v3's ``bytes`` codec), so
-:class:`RawRows` reads rows straight out of those files through ``mmap`` and writes a chunk by
-writing a new file and renaming it over the old one. Anything else (compressed chunks, sharding,
-a remote store) goes through :class:`ZarrRows` and the general zarr API. Both write whole chunks,
-so a reader sees each chunk either before or after a write, never half of it.
+:class:`RawRows` reads rows straight out of those files through ``mmap``, writes scattered rows
+in place, and writes a whole chunk by writing a new file and renaming it over the old one.
+Anything else (compressed chunks, sharding, a remote store) goes through :class:`ZarrRows` and
+the general zarr API, which rewrites every chunk it touches.
 
 Costs (measured by ``scripts/bench_table.py``, see ``docs/table-format.md``):
-``RawRows.read`` costs about 10 us per chunk touched plus a memory copy per row;
-``write`` rewrites every chunk it touches in full.
+``RawRows.read`` costs about 10 us per chunk touched plus a memory copy per row, ``RawRows.write``
+a system call per row; ``ZarrRows.write`` rewrites every chunk it touches in full.
 
-NOTE [ Raw chunk reads ]
-A reader keeps each chunk file it touched mapped, keyed by the file's inode. On every read it
-stats the chunk's path: a writer replaces a chunk by ``rename``, which gives the path a new inode,
-so a changed inode means "map the new file" and a reader never serves bytes older than the last
-replace that finished before its read began. After copying, the reader drops the pages from its
-own page tables (``MADV_DONTNEED``; they stay in the OS page cache), so a process that reads a
-table many times larger than memory does not grow by the pages it has read.
+NOTE [ Raw chunk reads and writes ]
+A reader keeps each chunk file it touched mapped, keyed by the file's inode, and stats the
+chunk's path on every read: a chunk replaced whole (``write_chunk``: a new file renamed over the
+old one) has a new inode, so the reader maps the new file and never serves bytes older than the
+last replace that finished before its read began. After copying, the reader drops the pages from
+its own page tables (``MADV_DONTNEED``; they stay in the OS page cache), so a process that reads
+a table many times larger than memory does not grow by the pages it has read.
+
+Row writes (``write``) go in place, one ``pwrite`` per row, and are visible to every mapping at
+once. Replacing whole chunks instead would rewrite ``chunk_rows`` rows for every scattered row
+(measured: a 5 MB cache evicting into a 1 GiB table wrote ~100 MB per batch), which is what the
+writeback does all the time. The price: a reader copying the very row being written may see a mix
+of old and new bytes. embedpipe's own readers never keep such a copy: a row is written either
+while it is cached (readers take it from the cache) or as part of an optimizer step, after which
+the hand-off re-reads every row the step changed (docs/consistency.md, invariants 3 and 4).
 """
 
 from __future__ import annotations
@@ -144,6 +152,30 @@ class RawRows(ZarrRows):
             if cached is not None:
                 cached[1].madvise(mmap.MADV_DONTNEED)
         return out
+
+    def write(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Write rows in place in their chunk files, one ``pwrite`` per row (see the NOTE).
+
+        A chunk that has no file yet is written whole.
+        """
+        data = np.ascontiguousarray(rows, dtype=self.dtype.newbyteorder("<"))
+        chunks, positions = group_by_chunk(ids, self.chunk_rows)
+        for chunk, pos in zip(chunks, positions):
+            pos = pos[np.argsort(ids[pos])]  # ascending offsets within the file
+            try:
+                fd = os.open(self._path(chunk), os.O_WRONLY)
+            except FileNotFoundError:
+                block = self.read_chunk(chunk)
+                block[ids[pos] - chunk * self.chunk_rows] = rows[pos]
+                self.write_chunk(chunk, block)
+                continue
+            try:
+                for i in pos.tolist():
+                    os.pwrite(
+                        fd, data[i].data, int(ids[i] - chunk * self.chunk_rows) * self.row_bytes
+                    )
+            finally:
+                os.close(fd)
 
     def read_chunk(self, chunk: int) -> np.ndarray:
         rows = len(

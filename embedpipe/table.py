@@ -472,10 +472,11 @@ class Table:
 
 
 def _normal_rows(seed: int, start: int, stop: int, dim: int, std: float) -> np.ndarray:
-    """Rows ``start:stop`` of the N(0, std^2) initial table; block b is drawn from seed (seed, b)."""
+    """Rows ``start:stop`` of the N(0, std^2) initial table, float32; block b is drawn from seed (seed, b)."""
     first, last = start // INIT_BLOCK_ROWS, (stop - 1) // INIT_BLOCK_ROWS
     blocks = [
-        np.random.default_rng([seed, b]).standard_normal((INIT_BLOCK_ROWS, dim)) * std
+        np.random.default_rng([seed, b]).standard_normal((INIT_BLOCK_ROWS, dim), dtype=np.float32)
+        * np.float32(std)
         for b in range(first, last + 1)
     ]
     offset = first * INIT_BLOCK_ROWS

@@ -36,9 +36,13 @@ def staleness(tmp_path, *, delay, num_workers, cache_rows, **options) -> list[in
     data = [{"input_ids": torch.randperm(V)} for _ in range(BATCHES)]
     seen = []
     optimizer = SlowSGD(lr=1.0, delay=delay)
-    with EmbeddingPipe(tmp_path / "t.zarr", cache_rows=cache_rows, optimizer=optimizer, **options) as pipe:
+    with EmbeddingPipe(
+        tmp_path / "t.zarr", cache_rows=cache_rows, optimizer=optimizer, **options
+    ) as pipe:
         kwargs = {"prefetch_factor": 4} if num_workers else {}
-        for k, batch in enumerate(pipe.loader(data, batch_size=1, num_workers=num_workers, **kwargs)):
+        for k, batch in enumerate(
+            pipe.loader(data, batch_size=1, num_workers=num_workers, **kwargs)
+        ):
             embeds = batch["inputs_embeds"]  # (1, V, D)
             values = embeds[0, :, 0].detach()
             assert torch.equal(embeds[0].detach(), values[:, None].expand(V, D))  # whole rows
@@ -51,15 +55,23 @@ def staleness(tmp_path, *, delay, num_workers, cache_rows, **options) -> list[in
 
 @pytest.mark.parametrize(("num_workers", "cache_rows"), [(0, V), (2, V), (2, 10), (2, 0)])
 def test_exact_mode_never_serves_a_stale_row(tmp_path, num_workers, cache_rows):
-    assert max(staleness(tmp_path, delay=0.005, num_workers=num_workers, cache_rows=cache_rows)) == 0
+    assert (
+        max(staleness(tmp_path, delay=0.005, num_workers=num_workers, cache_rows=cache_rows)) == 0
+    )
 
 
 @pytest.mark.parametrize("max_staleness", [1, 3])
 @pytest.mark.parametrize(("num_workers", "cache_rows"), [(0, V), (2, 10)])
-def test_bounded_mode_respects_and_reaches_the_bound(tmp_path, max_staleness, num_workers, cache_rows):
+def test_bounded_mode_respects_and_reaches_the_bound(
+    tmp_path, max_staleness, num_workers, cache_rows
+):
     seen = staleness(
-        tmp_path, delay=0.02, num_workers=num_workers, cache_rows=cache_rows,
-        consistency="bounded", max_staleness=max_staleness,
+        tmp_path,
+        delay=0.02,
+        num_workers=num_workers,
+        cache_rows=cache_rows,
+        consistency="bounded",
+        max_staleness=max_staleness,
     )
     assert max(seen) <= max_staleness  # never older than the bound...
     assert np.mean(np.array(seen) == max_staleness) > 0.5  # ...and under load, mostly at it

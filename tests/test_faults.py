@@ -49,7 +49,9 @@ class Crashing(torch.utils.data.Dataset):
 def test_a_worker_that_dies_raises_in_the_loop(path):
     with EmbeddingPipe(path, cache_rows=10) as pipe:
         loader = pipe.loader(Crashing(crash_at=13), batch_size=2, num_workers=2)
-        with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid\(s\)? ?\d+\) .*exited unexpectedly|killed"):
+        with pytest.raises(
+            RuntimeError, match=r"DataLoader worker \(pid\(s\)? ?\d+\) .*exited unexpectedly|killed"
+        ):
             for _ in loader:
                 pass
 
@@ -58,7 +60,9 @@ def test_a_worker_that_dies_raises_in_the_loop(path):
 def test_out_of_range_id_names_the_id_and_the_sample(path, num_workers):
     data = samples(20, bad={13: V + 5})
     with EmbeddingPipe(path, cache_rows=10) as pipe:
-        with pytest.raises(ValueError, match=rf"sample 13, 'input_ids': id {V + 5} at position 1 .* {V} rows"):
+        with pytest.raises(
+            ValueError, match=rf"sample 13, 'input_ids': id {V + 5} at position 1 .* {V} rows"
+        ):
             for _ in pipe.loader(data, batch_size=4, num_workers=num_workers):
                 pass
 
@@ -67,7 +71,12 @@ def test_out_of_range_id_from_a_collate_names_the_batch_position(path):
     def collate(batch):  # a collate that breaks ids after the per-sample check
         return {"input_ids": torch.stack([s["input_ids"] for s in batch]) * 50}
 
-    with EmbeddingPipe(path, cache_rows=10) as pipe, pytest.raises(errors.IdOutOfRangeError, match=r"batch ids: id \d+ at position \(\d+, \d+\)"):
+    with (
+        EmbeddingPipe(path, cache_rows=10) as pipe,
+        pytest.raises(
+            errors.IdOutOfRangeError, match=r"batch ids: id \d+ at position \(\d+, \d+\)"
+        ),
+    ):
         for _ in pipe.loader(samples(8), batch_size=4, collate_fn=collate):
             pass
 
@@ -105,14 +114,19 @@ def test_non_finite_gradient_raises_and_applies_nothing(path):
         batch = next(iter(pipe.loader(samples(4), batch_size=2)))
         scale = torch.ones(D)
         scale[2] = float("nan")
-        with pytest.raises(errors.NonFiniteGradientError, match=r"non-finite embedding gradient \(nan\) for id \d+ .* step 1"):
+        with pytest.raises(
+            errors.NonFiniteGradientError,
+            match=r"non-finite embedding gradient \(nan\) for id \d+ .* step 1",
+        ):
             (batch["inputs_embeds"] * scale).sum().backward()
         assert pipe.stats()["writeback_queue"] == 0
     assert torch.equal(embedpipe.Table.open(path).to_tensor(), before)
 
 
 def test_non_finite_check_can_be_turned_off(path):
-    with EmbeddingPipe(path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=1.0), check_finite=False) as pipe:
+    with EmbeddingPipe(
+        path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=1.0), check_finite=False
+    ) as pipe:
         batch = next(iter(pipe.loader(samples(4), batch_size=2)))
         (batch["inputs_embeds"] * float("inf")).sum().backward()
     assert not torch.isfinite(embedpipe.Table.open(path).to_tensor()).all()
@@ -151,5 +165,8 @@ def test_a_second_pipe_writing_the_same_table_is_refused(path):
 
 
 def test_a_batch_without_ids_says_what_it_expected(path):
-    with EmbeddingPipe(path, cache_rows=1) as pipe, pytest.raises(TypeError, match="ids under 'tokens'"):
+    with (
+        EmbeddingPipe(path, cache_rows=1) as pipe,
+        pytest.raises(TypeError, match="ids under 'tokens'"),
+    ):
         next(iter(pipe.loader(samples(2), batch_size=2, ids_key="tokens")))

@@ -100,7 +100,9 @@ def test_exact_mode_is_identical_across_workers_and_cache_sizes(tmp_path, data):
 
 def test_optimizer_state_is_saved_next_to_the_rows(tmp_path, data):
     _, _, reference_state = train_reference(data, "adagrad", lr=0.5)
-    _, _, _, table = train_offloaded(data, "adagrad", lr=0.5, path=tmp_path / "t.zarr", cache_rows=30)
+    _, _, _, table = train_offloaded(
+        data, "adagrad", lr=0.5, path=tmp_path / "t.zarr", cache_rows=30
+    )
     assert table.state_names == ["sum"]
     assert table.step == STEPS and table.metadata["optimizer"]["name"] == "adagrad"
     state = torch.from_numpy(table.read(np.arange(VOCAB), "sum"))

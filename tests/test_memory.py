@@ -1,0 +1,81 @@
+"""Memory: a table many times larger than the cache trains without any process growing with it.
+
+1 GiB on disk, a 5 MB cache, Zipf-distributed ids, SGD training with two workers. Over the run the
+workers read tens of thousands of rows from disk; if the pages they read stayed in the process, or
+anything kept per batch, the main process or a worker would grow by far more than the budget:
+cache + ring + 8 bytes per table row (+ a fixed allowance for the allocator and imports).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+import embedpipe
+from embedpipe.pipe import EmbeddingPipe
+
+ROWS, DIM = 1 << 20, 256  # 1 GiB of float32
+CACHE_ROWS = 5 * 2**20 // (DIM * 4)  # 5 MiB
+BATCHES, WARMUP = 200, 20
+SLACK = 48 * 2**20  # allocator arenas, lazily imported modules, the DataLoader's queues
+
+
+class ZipfTokens(torch.utils.data.Dataset):
+    """Sentences of Zipf-distributed ids spread over the whole table."""
+
+    def __init__(self, n: int) -> None:
+        rng = np.random.default_rng(0)
+        self.permutation = rng.permutation(ROWS)
+        self.ids = (rng.zipf(1.1, (n, 128)) - 1) % ROWS  # a heavy tail: many distinct rows
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": torch.from_numpy(self.permutation[self.ids[i]])}
+
+
+def memory() -> tuple[int, list[int]]:
+    """RSS of this process, and for each worker the larger of its RSS and its unique memory (USS).
+
+    The workers' RSS counts the pages of the table files they have mapped, which two workers
+    share (so USS alone would not see them) and which the kernel maps in 64 KiB at a time.
+    """
+    me = psutil.Process()
+    workers = [c.memory_full_info() for c in me.children() if c.is_running()]
+    return me.memory_info().rss, [max(w.rss, w.uss) for w in workers]
+
+
+@pytest.mark.timeout(300)
+def test_neither_owner_nor_workers_grow_with_the_table(tmp_path):
+    # Large chunks: every chunk file stays mapped in the readers (fewer than MAX_MAPPED_CHUNKS),
+    # so pages they read would pile up if the read path did not drop them.
+    embedpipe.Table.create(tmp_path / "big.zarr", ROWS, DIM, chunk_rows=4096).close()
+    pipe = EmbeddingPipe(
+        tmp_path / "big.zarr", cache_rows=CACHE_ROWS, optimizer=embedpipe.optim.SGD(lr=0.1)
+    )
+    loader = pipe.loader(
+        ZipfTokens(BATCHES * 8), batch_size=8, num_workers=2, persistent_workers=True
+    )
+    with pipe:
+        for k, batch in enumerate(loader):
+            batch["inputs_embeds"].mean().backward()
+            if k == 0:  # the workers are up and have read their first batches
+                _, workers_start = memory()
+            if k == WARMUP:  # the owner's allocator and lazy imports have settled
+                owner_start, _ = memory()
+                read_start = pipe.stats()["rows_read"]
+        owner_end, workers_end = memory()
+        stats = pipe.stats()
+    ring = loader.ring.buffers.numel() * 4
+    budget = CACHE_ROWS * DIM * 4 + ring + 8 * ROWS + SLACK
+    rows_read = stats["rows_read"] - read_start
+    # Each random row read maps a 4 KiB page: kept, the pages alone would blow the budget.
+    assert rows_read * 4096 > 2 * budget, rows_read
+    assert stats["evictions"] > 0 and stats["rows_written"] > 0
+    assert owner_end - owner_start < budget, (owner_end - owner_start) / 2**20
+    assert len(workers_start) == len(workers_end) == 2
+    for start, end in zip(workers_start, workers_end):
+        assert end - start < budget, (end - start) / 2**20
