@@ -7,7 +7,7 @@ rows up inside the DataLoader through one shared cache and trains them with a sp
 
 __version__ = "0.1.0"
 
-from . import errors, optim
+from . import errors, hf, optim
 from .batch import EmbeddedBatch
 from .pipe import EmbeddingPipe
 from .table import Table
@@ -19,6 +19,7 @@ __all__ = [
     "Table",
     "errors",
     "export_table",
+    "hf",
     "import_table",
     "optim",
 ]

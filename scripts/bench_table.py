@@ -10,21 +10,24 @@ from :func:`embedpipe.table.default_chunk_rows`) it measures:
   - ``Table.read``: embedpipe's raw path for a local uncompressed table (``RawRows``);
   - ``zarr API``: ``get_orthogonal_selection`` of zarr-python on the same weight array, with the
     ids sorted (what you get without embedpipe's raw path);
-  - ``Table.read zstd``: a zstd-compressed copy of the table, which goes through zarr's API;
+  - ``Table zstd``: ``Table.read`` of a zstd-compressed copy of the table (``--compressor``),
+    which goes through zarr's API;
 
 * scattered writes (rows/s) of ``Table.write`` with unique random ids, ``--write-batch`` per call,
   on the uncompressed and the compressed table;
 * bytes on disk of both tables.
 
-Every measurement is repeated ``--repeats`` times and the median is reported; one repeat calls a
-path with fresh random ids until ``--min-time`` seconds are spent in it (once at least). The paths
-take turns inside each repeat, so the ratios between them (which are what to quote on a shared,
-noisy machine) compare numbers taken within the same few seconds.
+Every measurement is repeated (``--repeats``, ``--write-repeats``) and the median is reported; one
+repeat calls a path with fresh random ids until ``--min-time`` seconds are spent in it (once at
+least). The paths take turns inside each repeat, so the ratios between them (which are what to
+quote on a shared, noisy machine) compare numbers taken within the same few seconds.
 
-Run it (about a minute on 2 cores with the defaults)::
+Run it (with the defaults: about 100 s of CPU time, 2 to 3.5 minutes on a 2-core machine
+depending on what else runs there)::
 
     python scripts/bench_table.py
     python scripts/bench_table.py --rows 1000000 --dim 768 --chunks 16 64 256 --json out.json
+    PYTHONPATH=/path/to/other/checkout python scripts/bench_table.py   # measure another version
 
 The tables are made in a fresh temporary folder (under ``--dir`` if given, to pick the
 filesystem) that is deleted at the end. Results go to stdout, progress bars to stderr.
@@ -75,10 +78,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--min-time",
         type=float,
-        default=0.05,
+        default=0.1,
         help="seconds each path is timed per repeat (one call at least, fresh ids every call)",
     )
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats; the median is reported")
+    p.add_argument(
+        "--repeats", type=int, default=5, help="timed repeats of reads; the median is reported"
+    )
+    # Writes take 0.2-5 s a call on small chunks (zstd), so fewer repeats keep the run short;
+    # a call that long is not what timer noise moves.
+    p.add_argument("--write-repeats", type=int, default=3, help="timed repeats of writes")
     p.add_argument(
         "--compressor",
         choices=("zstd", "blosc"),
@@ -127,9 +135,18 @@ def time_calls(
 
 
 def summarize(per_call: int, samples: list[tuple[int, float]]) -> dict[str, Any]:
-    """The median rate over repeats, with the samples (calls, seconds) behind it."""
+    """The median rate over repeats, with the rates and samples (calls, seconds) behind it."""
     rates = [calls * per_call / seconds for calls, seconds in samples]
-    return {"rows_per_s": statistics.median(rates), "samples": samples}
+    return {"rows_per_s": statistics.median(rates), "rates": rates, "samples": samples}
+
+
+def paired_ratio(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """Median over repeats of a's rate / b's rate in the same repeat.
+
+    The two were timed back to back, so a load spike that slows a whole repeat cancels out,
+    which a ratio of the two medians does not do.
+    """
+    return statistics.median(x / y for x, y in zip(a["rates"], b["rates"], strict=True))
 
 
 def read_paths(
@@ -182,7 +199,7 @@ def bench_writes(
         return unique_ids(rng, args.rows, batch), rows
 
     samples: dict[str, list[tuple[int, float]]] = {name: [] for name in tables}
-    for _ in range(args.repeats):
+    for _ in range(args.write_repeats):
         for name, table in tables.items():
             write = lambda w, t=table: t.write(*w)  # noqa: E731
             samples[name].append(time_calls(write, make, args.min_time))
@@ -277,15 +294,22 @@ def machine() -> dict[str, Any]:
         "numpy": np.__version__,
         "zarr": zarr.__version__,
         "embedpipe": getattr(embedpipe, "__version__", "?"),
+        # which copy of the library was measured (PYTHONPATH can point at another checkout)
+        "embedpipe_path": os.path.dirname(embedpipe.__file__),
     }
+
+
+# Read paths in the order of the report's columns.
+READ_COLUMNS = ("memmap", "table", "zarr", "table_compressed")
 
 
 def rate(x: float) -> str:
     return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k"
 
 
-def ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if a / b < 10 else f"{a / b:.0f}x"
+def ratio(a: dict[str, Any], b: dict[str, Any]) -> str:
+    x = paired_ratio(a, b)
+    return f"{x:.3f}x" if x < 0.1 else f"{x:.2f}x" if x < 10 else f"{x:.0f}x"
 
 
 def format_report(run: dict[str, Any]) -> str:
@@ -293,9 +317,10 @@ def format_report(run: dict[str, Any]) -> str:
     m = run["machine"]
     lines = [
         f"embedpipe Table benchmark: {args['rows']:,} rows x dim {args['dim']} float32, "
-        f"median of {args['repeats']} repeats",
+        f"medians of {args['repeats']} read and {args['write_repeats']} write repeats",
         f"{m['cpus']} cpus ({m['cpu']}), python {m['python']}, numpy {m['numpy']}, "
         f"zarr {m['zarr']}; default chunk_rows = {default}",
+        f"embedpipe from {m['embedpipe_path']}",
         "",
         "Random-row reads (rows/s, unique random ids, warm page cache)",
         _row(
@@ -305,15 +330,13 @@ def format_report(run: dict[str, Any]) -> str:
     ]  # fmt: skip
     for res in run["results"]:
         for batch, r in res["reads"].items():
-            v = {name: path["rows_per_s"] for name, path in r.items()}
             lines.append(
                 _row(
                     _chunk_label(res, default), f"{int(batch):,}",
-                    rate(v["memmap"]), rate(v["table"]), rate(v["zarr"]),
-                    rate(v["table_compressed"]),
-                    ratio(v["table"], v["memmap"]), ratio(v["table"], v["zarr"]),
-                    ratio(v["table_compressed"], v["table"]),
-                    ratio(v["table_compressed"], v["zarr"]),
+                    *(rate(r[name]["rows_per_s"]) for name in READ_COLUMNS),
+                    ratio(r["table"], r["memmap"]), ratio(r["table"], r["zarr"]),
+                    ratio(r["table_compressed"], r["table"]),
+                    ratio(r["table_compressed"], r["zarr"]),
                 )
             )  # fmt: skip
     lines += [
@@ -324,12 +347,11 @@ def format_report(run: dict[str, Any]) -> str:
              "MiB plain", f"MiB {comp}", "saved"),
     ]  # fmt: skip
     for res in run["results"]:
-        w = {name: path["rows_per_s"] for name, path in res["writes"].items()}
-        b = res["bytes"]
+        w, b = res["writes"], res["bytes"]
         lines.append(
             _row(
                 _chunk_label(res, default), "",
-                rate(w["table"]), rate(w["table_compressed"]),
+                rate(w["table"]["rows_per_s"]), rate(w["table_compressed"]["rows_per_s"]),
                 ratio(w["table_compressed"], w["table"]), "",
                 f"{b['plain'] / 2**20:.1f}", f"{b['compressed'] / 2**20:.1f}",
                 f"{1 - b['compressed'] / b['plain']:.1%}",
@@ -369,7 +391,11 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
     }
     print(format_report(run))
-    print(f"\n* the library's default. Took {run['seconds']:.0f} s.")
+    print(
+        "\n* the library's default. Rates are medians over repeats; a ratio a/b is the median"
+        "\nof a/b within each repeat (timed back to back), so it need not equal the quotient"
+        f"\nof the two medians shown. Took {run['seconds']:.0f} s."
+    )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(run, f, indent=1)

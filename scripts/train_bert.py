@@ -39,7 +39,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -57,72 +57,131 @@ ZIPF_EXPONENT = 1.1
 DEFAULT_LR = {"adagrad": 0.05, "adam": 1e-3, "sgd": 0.5}
 #: Sizes the defaults take (the README's command) and those --quick takes; a flag given wins.
 DEFAULTS = dict(
-    vocab=30522, hidden=128, layers=2, heads=2, steps=240, batch_size=32, seq_len=64, eval=512
+    vocab=30522, hidden=128, layers=2, heads=2, steps=150, batch_size=32, seq_len=64, eval=512
 )
 QUICK = dict(vocab=5000, hidden=64, layers=2, heads=2, steps=30, batch_size=16, seq_len=32, eval=64)
 
 
 # ----------------------------------------------------------------------------- arguments
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
+class Parser(argparse.ArgumentParser):
+    """argparse, with the error on one line (exit status 2) instead of the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
-    return value
+def integer(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
 
 
 def positive_float(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
     return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description="Fine-tune a small BERT classifier with its word embeddings on disk (embedpipe).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = Parser(
+        description="Fine-tune a small BERT classifier with its word embeddings on disk (embedpipe)."
     )
-    size = p.add_argument_group("model and data (defaults: see --quick for the small set)")
-    size.add_argument("--vocab", type=positive, help=f"vocabulary size [{DEFAULTS['vocab']}]")
-    size.add_argument("--hidden", type=positive, help=f"hidden size [{DEFAULTS['hidden']}]")
-    size.add_argument("--layers", type=positive, help=f"encoder layers [{DEFAULTS['layers']}]")
-    size.add_argument("--heads", type=positive, help=f"attention heads [{DEFAULTS['heads']}]")
-    size.add_argument("--steps", type=positive, help=f"training steps [{DEFAULTS['steps']}]")
-    size.add_argument("--batch-size", type=positive, help=f"samples per step [{DEFAULTS['batch_size']}]")
-    size.add_argument("--seq-len", type=positive, help=f"tokens per sample, [CLS] included [{DEFAULTS['seq_len']}]")
-    size.add_argument("--eval", type=non_negative, help=f"held-out samples scored at the end [{DEFAULTS['eval']}]")
+    d, q = DEFAULTS, QUICK
+    size = p.add_argument_group("model and data (default / with --quick)")
     size.add_argument(
-        "--quick",
-        action="store_true",
-        help="small sizes for a smoke test: "
-        + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in QUICK.items()),
+        "--vocab", type=integer(1), help=f"vocabulary size ({d['vocab']} / {q['vocab']})"
+    )
+    size.add_argument(
+        "--hidden", type=integer(1), help=f"hidden size ({d['hidden']} / {q['hidden']})"
+    )
+    size.add_argument(
+        "--layers", type=integer(1), help=f"encoder layers ({d['layers']} / {q['layers']})"
+    )
+    size.add_argument(
+        "--heads", type=integer(1), help=f"attention heads ({d['heads']} / {q['heads']})"
+    )
+    size.add_argument(
+        "--steps", type=integer(1), help=f"training steps ({d['steps']} / {q['steps']})"
+    )
+    size.add_argument(
+        "--batch-size",
+        type=integer(1),
+        help=f"samples per step ({d['batch_size']} / {q['batch_size']})",
+    )
+    size.add_argument(
+        "--seq-len",
+        type=integer(1),
+        help=f"tokens per sample, [CLS] and padding included ({d['seq_len']} / {q['seq_len']})",
+    )
+    size.add_argument(
+        "--eval",
+        type=integer(0),
+        help=f"held-out samples scored at the end ({d['eval']} / {q['eval']})",
+    )
+    size.add_argument(
+        "--quick", action="store_true", help="the small sizes: a smoke test of seconds"
     )
 
     train = p.add_argument_group("training")
-    train.add_argument("--optimizer", choices=sorted(DEFAULT_LR), default="adagrad", help="sparse optimizer of the table")
-    train.add_argument("--lr", type=positive_float, help="table learning rate [adagrad 0.05, adam 1e-3, sgd 0.5]")
-    train.add_argument("--dense-lr", type=positive_float, default=1e-3, help="AdamW learning rate of the other parameters")
-    train.add_argument("--device", help="torch device [cuda if available, else cpu]")
-    train.add_argument("--bf16", action="store_true", help="run forward under torch.autocast(bfloat16) on the device")
-    train.add_argument("--seed", type=int, default=0, help="seed of the data, the model and dropout")
-    train.add_argument("--log-every", type=positive, help="steps between progress lines [steps / 8]")
+    train.add_argument(
+        "--optimizer",
+        choices=sorted(DEFAULT_LR),
+        default="adagrad",
+        help="sparse optimizer of the table; --baseline uses torch's Adagrad, SparseAdam or SGD "
+        "(default: adagrad)",
+    )
+    train.add_argument(
+        "--lr",
+        type=positive_float,
+        help="learning rate of the table (default: "
+        + ", ".join(f"{k} {v:g}" for k, v in sorted(DEFAULT_LR.items()))
+        + ")",
+    )
+    train.add_argument(
+        "--dense-lr",
+        type=positive_float,
+        default=1e-3,
+        help="AdamW learning rate of the other parameters (default: 1e-3)",
+    )
+    train.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    train.add_argument(
+        "--bf16", action="store_true", help="run the forward under torch.autocast(bfloat16)"
+    )
+    train.add_argument(
+        "--seed", type=int, default=0, help="seeds data, model and dropout (default: 0)"
+    )
+    train.add_argument(
+        "--log-every", type=integer(1), help="steps between progress lines (default: steps / 10)"
+    )
     train.add_argument(
         "--baseline",
         action="store_true",
-        help="then run the same training with the table in the model (nn.Embedding) for comparison",
+        help="then train again with the table in the model as nn.Embedding, for comparison",
     )
 
     pipe = p.add_argument_group("embedpipe")
-    pipe.add_argument("--table", help="write the table here and keep it [a temporary folder, deleted at the end]")
-    pipe.add_argument("--cache-rows", type=non_negative, help="rows in the shared cache [5%% of --vocab]")
-    pipe.add_argument("--num-workers", type=non_negative, default=2, help="DataLoader worker processes")
+    pipe.add_argument(
+        "--table",
+        help="write the table to this new path and keep it (default: a temporary folder, "
+        "deleted at the end)",
+    )
+    pipe.add_argument(
+        "--cache-rows", type=integer(0), help="rows in the shared cache (default: 5%% of --vocab)"
+    )
+    pipe.add_argument(
+        "--num-workers", type=integer(0), default=2, help="DataLoader worker processes (default: 2)"
+    )
 
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else DEFAULTS).items():
@@ -139,7 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.lr is None:
         args.lr = DEFAULT_LR[args.optimizer]
     if args.log_every is None:
-        args.log_every = max(1, args.steps // 8)
+        args.log_every = max(1, args.steps // 10)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -177,7 +236,9 @@ class MarkerTask(Dataset):
         mask = positions[None, :] < lengths[:, None]
         labels = rng.integers(0, 2, size=num_samples)
         for i in np.flatnonzero(labels):
-            where = rng.choice(np.arange(1, lengths[i]), size=min(rng.integers(1, 4), lengths[i] - 1))
+            where = rng.choice(
+                np.arange(1, lengths[i]), size=min(rng.integers(1, 4), lengths[i] - 1)
+            )
             ids[i, where] = rng.choice(markers, size=len(where))
         ids[~mask] = PAD
         self.input_ids = torch.from_numpy(ids.astype(np.int64))
@@ -267,11 +328,12 @@ def train(
     seen = tokens = 0
     counts = hit_rate() if hit_rate else (0, 0)
     start = tick = time.perf_counter()
-    step = 0
     for step, batch in enumerate(batches, 1):
         batch = to_device(batch, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            out = model(**inputs(batch), attention_mask=batch["attention_mask"], labels=batch["labels"])
+            out = model(
+                **inputs(batch), attention_mask=batch["attention_mask"], labels=batch["labels"]
+            )
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         out.loss.backward()  # offloaded: the table's gradient goes to the pipe's writeback here
@@ -306,8 +368,6 @@ def train(
         correct.zero_()
         seen = tokens = 0
         tick = now
-        if step == args.steps:
-            break
     result.seconds = time.perf_counter() - start
 
 
@@ -332,7 +392,9 @@ def evaluate(
     for batch in batches:
         batch = to_device(batch, args.device)
         with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            out = model(**inputs(batch), attention_mask=batch["attention_mask"], labels=batch["labels"])
+            out = model(
+                **inputs(batch), attention_mask=batch["attention_mask"], labels=batch["labels"]
+            )
         loss += out.loss.float().item() * len(batch["labels"])
         correct += int((out.logits.argmax(-1) == batch["labels"]).sum())
         seen += len(batch["labels"])
@@ -379,7 +441,10 @@ def run_offloaded(args: argparse.Namespace, data: Dataset, held_out: Dataset, pa
         table, cache_rows=args.cache_rows, optimizer=table_optimizer(args), padding_idx=padding_idx
     )
     with table, pipe:
-        print(f"[{result.name}] {pipe!r}  table {table.num_rows:,} x {table.dim} {table.dtype}", flush=True)
+        print(
+            f"[{result.name}] {pipe!r}  table {table.num_rows:,} x {table.dim} {table.dtype}",
+            flush=True,
+        )
         stats = pipe.stats
         loader = pipe.loader(data, shuffle=True, **loader_options(args))
         train(
@@ -415,8 +480,11 @@ def run_baseline(args: argparse.Namespace, data: Dataset, held_out: Dataset) -> 
         [p for p in model.parameters() if p is not embedding.weight], lr=args.dense_lr
     )
     optimizers = [dense, torch_table_optimizer(args, embedding)]
-    print(f"[{result.name}] nn.Embedding {tuple(embedding.weight.shape)} in the model, "
-          f"{type(optimizers[1]).__name__}(lr={args.lr})", flush=True)
+    print(
+        f"[{result.name}] nn.Embedding {tuple(embedding.weight.shape)} in the model, "
+        f"{type(optimizers[1]).__name__}(lr={args.lr})",
+        flush=True,
+    )
     train(
         result,
         model,
@@ -464,7 +532,11 @@ def report(args: argparse.Namespace, offloaded: Result, baseline: Result | None,
         f"[{offloaded.name}] table {offloaded.extra['table']} at {path} ({where}): "
         f"{mib(offloaded.extra['disk_bytes'])} on disk"
     )
-    copies = {"sgd": "weight + gradient", "adagrad": "weight + gradient + sum", "adam": "weight + gradient + 2 moments"}
+    copies = {
+        "sgd": "weight + gradient",
+        "adagrad": "weight + gradient + sum",
+        "adam": "weight + gradient + 2 moments",
+    }
     print(
         f"accelerator memory the table no longer uses: {mib(offloaded.extra['saved'])} "
         f"({copies[args.optimizer]}, embedpipe.hf.embedding_bytes(model, {args.optimizer!r}))"
