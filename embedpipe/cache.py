@@ -172,26 +172,25 @@ class RowCache:
         return rows
 
     def admit(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Record a batch's use of ``ids`` (unique) and cache those not cached yet, with ``rows``.
+        """Record a batch's use of ``ids`` (unique) and cache those the policy admits, with ``rows``.
 
-        Frees slots through the policy, writing dirty victims to the table first. When the batch
-        has more new ids than the cache can free, the rest stay uncached.
+        Frees slots through the policy, writing dirty victims to the table first; never evicts a
+        row of this batch or one an optimizer step is working on.
         """
         if self.shared.cache_rows == 0:
             return
         slots = self.shared.slot_of[ids].astype(np.int64)
-        cached = slots >= 0
-        new = np.flatnonzero(~cached)
+        new = np.flatnonzero(slots < 0)
         if len(new):
-            keep = np.concatenate([slots[cached], np.flatnonzero(self.pinned)])
-            free = self.policy.victims(len(new), keep=keep)
+            keep = np.concatenate([slots[slots >= 0], np.flatnonzero(self.pinned)])
+            chosen, free = self.policy.plan(ids[new], keep, self.shared.slot_id)
+            admitted = new[chosen]
             self._evict(free[self.shared.slot_id[free] >= 0])
-            new = new[: len(free)]
-            self.shared.put(free, ids[new], rows[new])
             self.policy.forget(free)
+            self.shared.put(free, ids[admitted], rows[admitted])
             self.state_loaded[free] = False
-            slots[new] = free
-        self.policy.touch(slots[slots >= 0])
+            slots[admitted] = free
+        self.policy.record(ids, slots)
 
     # ----------------------------------------------------------------- writeback thread
     def gather(self, ids: np.ndarray) -> Update:

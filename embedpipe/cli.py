@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["float32", "float16", "float64"],
         help="cast the rows (bfloat16 sources need one)",
     )
-    p.add_argument("--chunk-rows", type=int, help="rows per chunk (default: about 256 KiB of rows)")
+    p.add_argument("--chunk-rows", type=int, help="rows per chunk (default: about 1 MiB of rows)")
     p.add_argument(
         "--compressor",
         choices=COMPRESSORS,

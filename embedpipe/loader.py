@@ -69,7 +69,7 @@ class PipeLoader:
             if item.slot >= 0:
                 rows = self.ring.read(item.slot, item.tag, len(item.unique_ids))
             else:
-                rows = item.rows.numpy()
+                rows = item.rows
             yield self.pipe._hand_off(item, rows)
 
     def _lookups(self) -> Iterator[LookedUp]:

@@ -43,7 +43,8 @@ class EmbeddingPipe:
     cache_rows:
         Rows held in the shared cache: 0 reads every row from disk (lazy loading), ``>= num_rows``
         keeps every row once read. Host memory: ``cache_rows x dim x itemsize`` shared, the same
-        again per optimizer state array (owner only), plus 8 bytes per table row.
+        again per optimizer state array (owner only), 12 bytes per table row (8 with LRU), and
+        the workers' ring (see ``loader``).
     policy:
         ``"lru"``, ``"lfu"`` or ``"auto"`` (the best measured policy, see ``embedpipe.policy``).
     optimizer:
@@ -102,7 +103,7 @@ class EmbeddingPipe:
         self.shared = SharedRows(table.num_rows, cache_rows, table.dim, dtype)
         self.cache = RowCache(
             self.shared,
-            make_policy(policy, cache_rows),
+            make_policy(policy, cache_rows, table.num_rows),
             fetch=lambda ids, name: table.read(ids, name),
             store=lambda ids, rows, name: table.write(ids, rows, name),
             state=state,
@@ -228,7 +229,7 @@ class EmbeddingPipe:
         that changed since the lookup began, admits the misses into the cache.
         """
         self._check_open()
-        ids = item.unique_ids.numpy()
+        ids = item.unique_ids
         if self.writeback is not None:
             self.writeback.wait(0 if self.consistency == "exact" else self.max_staleness)
         with self._lock:
@@ -246,7 +247,11 @@ class EmbeddingPipe:
         self._counts["misses"] += item.misses
         sink = self._on_grad if self.optimizer is not None else None
         return EmbeddedBatch(
-            item.fields, item.unique_ids, item.inverse, torch.from_numpy(rows), sink
+            item.fields,
+            torch.from_numpy(ids),
+            torch.from_numpy(item.inverse),
+            torch.from_numpy(rows),
+            sink,
         )
 
     def _on_grad(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:

@@ -45,8 +45,8 @@ WEIGHT = "weight"
 STATE_GROUP = "state"
 LOCK_FILE = "writer.lock"
 
-#: Default chunk size in bytes: about 256 KiB of rows (see docs/table-format.md for the numbers).
-CHUNK_BYTES = 256 * 1024
+#: Default chunk size in bytes: about 1 MiB of rows (docs/table-benchmark.md has the numbers).
+CHUNK_BYTES = 1 << 20
 #: Rows generated per block by the initializer; blocks are seeded separately, so the initial
 #: table depends on (seed, num_rows, dim) and not on the chunking.
 INIT_BLOCK_ROWS = 4096
@@ -194,7 +194,7 @@ class Table:
 
         ``init="normal"`` draws every row from N(0, ``std``^2), as ``nn.Embedding`` does with
         ``std=1``; rows depend only on ``seed``, ``num_rows`` and ``dim``. ``init="zeros"`` writes
-        nothing (zarr reads missing chunks as zeros). ``chunk_rows`` defaults to about 256 KiB of
+        nothing (zarr reads missing chunks as zeros). ``chunk_rows`` defaults to about 1 MiB of
         rows; ``compressor`` is ``"none"`` (default, fastest reads), ``"zstd"`` or ``"blosc"``.
         """
         if init not in ("normal", "zeros"):
@@ -318,9 +318,10 @@ class Table:
         return self._array(name).read(flat).reshape(*ids.shape, self.dim)
 
     def write(self, ids: Any, rows: Any, name: str = WEIGHT) -> None:
-        """Write ``rows[i]`` to row ``ids[i]``; each touched chunk is replaced atomically.
+        """Write ``rows[i]`` to row ``ids[i]``.
 
-        ``ids`` must be unique; ``rows`` must have shape ``(len(ids), dim)`` and the array's
+        Uncompressed local tables write each row in place (one ``pwrite``); other tables rewrite
+        every chunk the ids fall in, atomically. ``ids`` must be unique; ``rows`` must have shape ``(len(ids), dim)`` and the array's
         dtype exactly (no silent casts). Everything is checked before the first byte is written.
         """
         self._check_writable()

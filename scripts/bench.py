@@ -280,7 +280,7 @@ def rows_read_embedpipe(sets: list[np.ndarray], vocab: int, cache_rows: int, pol
     shared = SharedRows(vocab, cache_rows, 1, torch.float32)
     cache = RowCache(
         shared,
-        make_policy(policy, cache_rows),
+        make_policy(policy, cache_rows, vocab),
         fetch=lambda ids, name: np.zeros((len(ids), 1), np.float32),
         store=lambda ids, rows, name: None,
     )

@@ -156,7 +156,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     train.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     train.add_argument(
-        "--bf16", action="store_true", help="run the forward under torch.autocast(bfloat16)"
+        "--bf16",
+        action="store_true",
+        help="run the forward under torch.autocast(bfloat16); slower than float32 on CPUs "
+        "without bfloat16 units",
     )
     train.add_argument(
         "--seed", type=int, default=0, help="seeds data, model and dropout (default: 0)"
@@ -329,6 +332,7 @@ def train(
     counts = hit_rate() if hit_rate else (0, 0)
     start = tick = time.perf_counter()
     for step, batch in enumerate(batches, 1):
+        tokens += int(batch["attention_mask"].sum())  # on the host: no device sync
         batch = to_device(batch, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             out = model(
@@ -343,7 +347,6 @@ def train(
         loss_sum += out.loss.detach().float() * len(batch["labels"])
         correct += (out.logits.argmax(-1) == batch["labels"]).sum()
         seen += len(batch["labels"])
-        tokens += int(batch["attention_mask"].sum())
         if step % args.log_every and step != args.steps:
             continue
         loss = loss_sum.item() / seen  # waits for the device
@@ -445,7 +448,11 @@ def run_offloaded(args: argparse.Namespace, data: Dataset, held_out: Dataset, pa
             f"[{result.name}] {pipe!r}  table {table.num_rows:,} x {table.dim} {table.dtype}",
             flush=True,
         )
-        stats = pipe.stats
+
+        def hit_rate() -> tuple[int, int]:
+            stats = pipe.stats()
+            return stats["hits"], stats["misses"]
+
         loader = pipe.loader(data, shuffle=True, **loader_options(args))
         train(
             result,
@@ -454,7 +461,7 @@ def run_offloaded(args: argparse.Namespace, data: Dataset, held_out: Dataset, pa
             [dense],
             lambda b: {"inputs_embeds": b["inputs_embeds"]},
             args,
-            hit_rate=lambda: (stats()["hits"], stats()["misses"]),
+            hit_rate=hit_rate,
         )
         evaluate(
             result,
@@ -501,6 +508,7 @@ def run_baseline(args: argparse.Namespace, data: Dataset, held_out: Dataset) -> 
         args,
     )
     result.peak_bytes = peak_memory(args.device)
+    result.extra["weight"] = embedding.weight.detach().cpu()
     return result
 
 
@@ -510,12 +518,14 @@ def mib(n: int) -> str:
 
 
 def summary(result: Result) -> str:
-    return (
+    line = (
         f"[{result.name}] done: {result.samples:,} samples in {result.seconds:.1f} s, "
         f"{result.samples / result.seconds:,.1f} samples/s, {result.tokens / result.seconds:,.0f} tokens/s; "
-        f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}; "
-        f"held-out loss {result.eval_loss:.4f} acc {result.eval_acc:.3f}"
+        f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
     )
+    if not math.isnan(result.eval_loss):
+        line += f"; held-out loss {result.eval_loss:.4f} acc {result.eval_acc:.3f}"
+    return line
 
 
 def report(args: argparse.Namespace, offloaded: Result, baseline: Result | None, path: str) -> None:
@@ -543,9 +553,12 @@ def report(args: argparse.Namespace, offloaded: Result, baseline: Result | None,
     )
     if baseline is not None:
         print(summary(baseline))
+        with embedpipe.Table.open(path) as table:
+            diff = (table.to_tensor() - baseline.extra["weight"]).abs().max().item()
         print(
             f"embedpipe vs baseline: {offloaded.seconds / baseline.seconds:.2f}x the time, "
-            f"final loss {offloaded.last_loss:.4f} vs {baseline.last_loss:.4f}"
+            f"final loss {offloaded.last_loss:.4f} vs {baseline.last_loss:.4f}, trained tables "
+            + ("bitwise equal" if diff == 0 else f"differ by at most {diff:.2g}")
         )
     if offloaded.peak_bytes is not None:
         line = f"torch.cuda.max_memory_allocated: embedpipe {mib(offloaded.peak_bytes)}"

@@ -27,7 +27,7 @@ def make_cache(cache_rows=4):
         table[name][ids] = rows
 
     shared = SharedRows(V, cache_rows, D, torch.float32)
-    return RowCache(shared, LRU(cache_rows), fetch, store), table, writes
+    return RowCache(shared, LRU(cache_rows, V), fetch, store), table, writes
 
 
 def test_read_misses_uncached_ids_and_hits_cached_ones():
@@ -90,10 +90,16 @@ def _churn(shared: SharedRows, rounds: int) -> None:
         shared.clear(slots[old >= 0])
         ids = rng.choice(V, 3, replace=False)
         ids = ids[shared.slot_of[ids] < 0][: len(slots)]
-        rows = (ids[:, None] + 100.0 * (n % 10000)) * np.ones((len(ids), shared.rows.shape[1]), np.float32)
+        rows = (ids[:, None] + 100.0 * (n % 10000)) * np.ones(
+            (len(ids), shared.rows.shape[1]), np.float32
+        )
         shared.put(slots[: len(ids)], ids, rows)
         occupied = np.flatnonzero(shared.slot_id >= 0)
-        shared.overwrite(occupied, (shared.slot_id[occupied, None] + 100.0 * (n % 10000)) * np.ones((len(occupied), shared.rows.shape[1]), np.float32))
+        shared.overwrite(
+            occupied,
+            (shared.slot_id[occupied, None] + 100.0 * (n % 10000))
+            * np.ones((len(occupied), shared.rows.shape[1]), np.float32),
+        )
 
 
 @pytest.mark.timeout(120)

@@ -6,7 +6,14 @@ import embedpipe
 def test_all_is_sorted_and_complete():
     assert embedpipe.__all__ == sorted(embedpipe.__all__)
     assert embedpipe.__all__ == [
-        "EmbeddedBatch", "EmbeddingPipe", "Table", "errors", "export_table", "hf", "import_table", "optim",
+        "EmbeddedBatch",
+        "EmbeddingPipe",
+        "Table",
+        "errors",
+        "export_table",
+        "hf",
+        "import_table",
+        "optim",
     ]
     for name in embedpipe.__all__:
         assert getattr(embedpipe, name) is not None
@@ -14,12 +21,18 @@ def test_all_is_sorted_and_complete():
 
 def test_errors_subclass_the_builtins_they_mean():
     e = embedpipe.errors
-    assert issubclass(e.IdOutOfRangeError, ValueError) and issubclass(e.IdOutOfRangeError, IndexError)
+    assert issubclass(e.IdOutOfRangeError, ValueError) and issubclass(
+        e.IdOutOfRangeError, IndexError
+    )
     assert issubclass(e.TableNotFoundError, FileNotFoundError)
     assert issubclass(e.TableExistsError, FileExistsError)
     assert issubclass(e.ReadOnlyTableError, PermissionError)
     assert issubclass(e.NonFiniteGradientError, FloatingPointError)
-    assert all(issubclass(getattr(e, n), e.EmbedpipeError) for n in dir(e) if n.endswith("Error") and n != "EmbedpipeError")
+    assert all(
+        issubclass(getattr(e, n), e.EmbedpipeError)
+        for n in dir(e)
+        if n.endswith("Error") and n != "EmbedpipeError"
+    )
 
 
 def test_typed_package():

@@ -20,12 +20,16 @@ def reference():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.filterwarnings("ignore:.*pin_memory")  # no accelerator here: the DataLoader skips pinning
+@pytest.mark.filterwarnings(
+    "ignore:.*pin_memory"
+)  # no accelerator here: the DataLoader skips pinning
 @pytest.mark.parametrize(
     "options",
     [
         pytest.param(dict(num_workers=2, multiprocessing_context="spawn"), id="spawn"),
-        pytest.param(dict(num_workers=2, persistent_workers=True, prefetch_factor=1), id="persistent"),
+        pytest.param(
+            dict(num_workers=2, persistent_workers=True, prefetch_factor=1), id="persistent"
+        ),
         pytest.param(dict(num_workers=2, pin_memory=True), id="pin_memory"),
         pytest.param(dict(num_workers=3, prefetch_factor=6, cache_rows=0), id="deep-prefetch-lazy"),
         pytest.param(dict(num_workers=2, ring_rows=8), id="ring-overflow"),
@@ -74,7 +78,9 @@ def test_bf16_autocast_trains_like_the_reference_under_autocast(tmp_path):
     # The rows and their update stay float32; autocast only changes the model's matmuls.
     with torch.autocast("cpu", dtype=torch.bfloat16):
         reference = train_reference(DATA[:48], "sgd", lr=0.5)[0]
-        table, *_ = train_offloaded(DATA[:48], "sgd", lr=0.5, path=tmp_path / "t.zarr", num_workers=2)
+        table, *_ = train_offloaded(
+            DATA[:48], "sgd", lr=0.5, path=tmp_path / "t.zarr", num_workers=2
+        )
     assert table.dtype == torch.float32
     assert torch.equal(table, reference)
 
@@ -82,7 +88,9 @@ def test_bf16_autocast_trains_like_the_reference_under_autocast(tmp_path):
 def test_batch_mapping_and_device_move(tmp_path):
     weight = torch.randn(1000, 8)
     embedpipe.Table.from_tensor(tmp_path / "t.zarr", weight).close()
-    with EmbeddingPipe(tmp_path / "t.zarr", cache_rows=30, optimizer=embedpipe.optim.SGD(lr=1)) as pipe:
+    with EmbeddingPipe(
+        tmp_path / "t.zarr", cache_rows=30, optimizer=embedpipe.optim.SGD(lr=1)
+    ) as pipe:
         batch = next(iter(pipe.loader(DATA, batch_size=4)))
         assert list(batch) == ["input_ids", "attention_mask", "labels", "inputs_embeds"]
         assert len(batch) == 4 and "inputs_embeds" in batch

@@ -37,15 +37,15 @@ class ZipfTokens(torch.utils.data.Dataset):
         return {"input_ids": torch.from_numpy(self.permutation[self.ids[i]])}
 
 
-def memory() -> tuple[int, list[int]]:
+def memory(loader) -> tuple[int, list[int]]:
     """RSS of this process, and for each worker the larger of its RSS and its unique memory (USS).
 
     The workers' RSS counts the pages of the table files they have mapped, which two workers
-    share (so USS alone would not see them) and which the kernel maps in 64 KiB at a time.
+    share (so USS alone would not see them) and which the kernel maps a large folio at a time.
     """
-    me = psutil.Process()
-    workers = [c.memory_full_info() for c in me.children() if c.is_running()]
-    return me.memory_info().rss, [max(w.rss, w.uss) for w in workers]
+    pids = [w.pid for w in loader.dataloader._iterator._workers]  # persistent workers
+    workers = [psutil.Process(pid).memory_full_info() for pid in pids]
+    return psutil.Process().memory_info().rss, [max(w.rss, w.uss) for w in workers]
 
 
 @pytest.mark.timeout(300)
@@ -63,11 +63,11 @@ def test_neither_owner_nor_workers_grow_with_the_table(tmp_path):
         for k, batch in enumerate(loader):
             batch["inputs_embeds"].mean().backward()
             if k == 0:  # the workers are up and have read their first batches
-                _, workers_start = memory()
+                _, workers_start = memory(loader)
             if k == WARMUP:  # the owner's allocator and lazy imports have settled
-                owner_start, _ = memory()
+                owner_start, _ = memory(loader)
                 read_start = pipe.stats()["rows_read"]
-        owner_end, workers_end = memory()
+        owner_end, workers_end = memory(loader)
         stats = pipe.stats()
     ring = loader.ring.buffers.numel() * 4
     budget = CACHE_ROWS * DIM * 4 + ring + 8 * ROWS + SLACK

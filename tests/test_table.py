@@ -89,9 +89,9 @@ def test_create_normal_is_seeded_and_independent_of_chunking(tmp_path):
     assert not z.to_tensor().any()
 
 
-def test_default_chunking_is_about_256_kib_of_whole_rows():
-    assert default_chunk_rows(30522, 768) == 64  # 192 KiB
-    assert default_chunk_rows(250_000, 128) == 512
+def test_default_chunking_is_about_1_mib_of_whole_rows():
+    assert default_chunk_rows(30522, 768) == 256  # 768 KiB
+    assert default_chunk_rows(250_000, 128) == 2048
     assert default_chunk_rows(10, 128) == 10
 
 
