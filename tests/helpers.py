@@ -63,7 +63,7 @@ def _dense_optimizer(model):
     return torch.optim.SGD(params, lr=0.05)
 
 
-def train_reference(data, optimizer: str, lr: float, batch_size: int = 8):
+def train_reference(data, optimizer: str, lr: float, batch_size: int = 8, accumulate: int = 1):
     """The baseline: nn.Embedding in the model, trained by the matching torch optimizer.
 
     Returns the trained table, the model and the torch optimizer's state for the table.
@@ -74,18 +74,19 @@ def train_reference(data, optimizer: str, lr: float, batch_size: int = 8):
         emb.sparse = True
     emb_opt = REFERENCE_OPTIMIZERS[optimizer]([emb.weight], lr)
     dense = _dense_optimizer(model)
-    for start in range(0, len(data), batch_size):
+    for i, start in enumerate(range(0, len(data), batch_size)):
         batch = torch.utils.data.default_collate(data[start : start + batch_size])
         out = model(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
             labels=batch["labels"],
         )
-        emb_opt.zero_grad()
         dense.zero_grad()
         out.loss.backward()
-        emb_opt.step()
-        dense.step()
+        dense.step()  # every batch, as in train_offloaded
+        if (i + 1) % accumulate == 0:  # the table's .grad sums `accumulate` batches
+            emb_opt.step()
+            emb_opt.zero_grad()
     return emb.weight.detach().clone(), model, emb_opt.state[emb.weight]
 
 
