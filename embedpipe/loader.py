@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from .batch import EmbeddedBatch
@@ -33,7 +34,7 @@ class PipeLoader:
         pipe: EmbeddingPipe,
         dataset: Dataset,
         *,
-        batch_size: int,
+        batch_size: int | None,
         shuffle: bool,
         num_workers: int,
         collate_fn: Any,
@@ -55,6 +56,8 @@ class PipeLoader:
             )
         lookup = Lookup(collate_fn or default_collate, ids_key, table, pipe.shared, self.ring)
         self.pipe = pipe
+        # The DataLoader pins the fields; the rows are made at hand-off, so pin them there.
+        self._pin = bool(dataloader_kwargs.get("pin_memory")) and torch.cuda.is_available()
         self.dataloader = DataLoader(
             checked,
             batch_size=batch_size,
@@ -70,7 +73,7 @@ class PipeLoader:
                 rows = self.ring.read(item.slot, item.tag, len(item.unique_ids))
             else:
                 rows = item.rows
-            yield self.pipe._hand_off(item, rows)
+            yield self.pipe._hand_off(item, rows, self._pin)
 
     def _lookups(self) -> Iterator[LookedUp]:
         """The DataLoader's output. Without workers the lookup runs in this thread at ``next()``:

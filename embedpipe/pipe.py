@@ -121,7 +121,7 @@ class EmbeddingPipe:
         self,
         dataset: Dataset,
         *,
-        batch_size: int,
+        batch_size: int | None = 1,
         shuffle: bool = False,
         num_workers: int = 0,
         collate_fn: Any = None,
@@ -168,12 +168,14 @@ class EmbeddingPipe:
         }
 
     def flush(self) -> None:
-        """Apply every queued gradient and write every updated row and its state to the table."""
+        """Apply every queued step and write every updated row and its state to the table.
+
+        Gradients of an unfinished ``grad_accumulation`` group stay pending (as ``.grad`` does
+        in torch across a checkpoint); ``close()`` applies them as a last step.
+        """
         self._check_open()
         if self.writeback is None:
             return
-        if self._pending:
-            self._submit()
         self.writeback.wait()
         with self._lock:
             self.cache.flush()
@@ -221,11 +223,13 @@ class EmbeddingPipe:
         self._close(raise_errors=exc_type is None)  # don't hide the error already on its way
 
     # ------------------------------------------------------------------------- training loop
-    def _hand_off(self, item: LookedUp, rows: np.ndarray | None) -> EmbeddedBatch:
+    def _hand_off(
+        self, item: LookedUp, rows: np.ndarray | None, pin: bool = False
+    ) -> EmbeddedBatch:
         """Turn a worker's lookup into the batch the loop sees (main thread).
 
         ``rows`` is the batch's copy of its unique rows, or None when its ring slot was
-        overwritten. Waits for the writeback as the consistency mode requires, re-reads the rows
+        overwritten; ``pin`` puts them in pinned memory (the loader's ``pin_memory``). Waits for the writeback as the consistency mode requires, re-reads the rows
         that changed since the lookup began, admits the misses into the cache.
         """
         self._check_open()
@@ -250,7 +254,7 @@ class EmbeddingPipe:
             item.fields,
             torch.from_numpy(ids),
             torch.from_numpy(item.inverse),
-            torch.from_numpy(rows),
+            torch.from_numpy(rows).pin_memory() if pin else torch.from_numpy(rows),
             sink,
         )
 

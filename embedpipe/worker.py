@@ -47,7 +47,8 @@ class LookedUp:
     misses: int
 
     def pin_memory(self) -> LookedUp:
-        """Called by the DataLoader's pin-memory thread; the rows are pinned at hand-off."""
+        """Called by the DataLoader's pin-memory thread; the rows are pinned at hand-off
+        (``PipeLoader``), since they are copied out of the ring there."""
         from torch.utils.data._utils.pin_memory import pin_memory
 
         return LookedUp(**{**self.__dict__, "fields": pin_memory(self.fields)})

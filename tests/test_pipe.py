@@ -133,3 +133,35 @@ def test_gradient_accumulation_sums_batches_into_one_step(tmp_path, data):
     )
     assert stats["steps"] == len(data) // 8
     assert torch.equal(table, reference)  # the same sums in the same order
+
+
+def test_a_checkpoint_inside_an_accumulation_group_does_not_change_training(tmp_path):
+    embedpipe.Table.create(tmp_path / "t.zarr", 50, 4, init="zeros").close()
+    data = [{"input_ids": torch.tensor([i % 7, 3])} for i in range(8)]
+    results = []
+    for checkpoint in (False, True):
+        path = tmp_path / f"c{checkpoint}.zarr"
+        embedpipe.Table.create(path, 50, 4).close()
+        with EmbeddingPipe(
+            path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=0.1), grad_accumulation=4
+        ) as pipe:
+            for k, batch in enumerate(pipe.loader(data, batch_size=2)):
+                (batch["inputs_embeds"] ** 2).sum().backward()
+                if checkpoint and k == 1:
+                    pipe.checkpoint()
+                    assert pipe.stats()["steps"] == 0  # half a group is not a step
+                    assert embedpipe.Table.open(path).step == 0
+        assert pipe.stats()["steps"] == 1
+        results.append(embedpipe.Table.open(path).to_tensor())
+    assert torch.equal(results[0], results[1])
+
+
+def test_batch_sampler_passes_through(tmp_path):
+    weight = torch.randn(50, 4)
+    embedpipe.Table.from_tensor(tmp_path / "t.zarr", weight).close()
+    data = [{"input_ids": torch.tensor([i])} for i in range(10)]
+    sampler = torch.utils.data.BatchSampler(range(10), batch_size=5, drop_last=False)
+    with EmbeddingPipe(tmp_path / "t.zarr", cache_rows=5) as pipe:
+        batches = list(pipe.loader(data, batch_sampler=sampler))
+    assert [len(b["input_ids"]) for b in batches] == [5, 5]
+    assert torch.equal(batches[1]["inputs_embeds"], weight[5:10][:, None])
