@@ -34,6 +34,7 @@ def reference():
         pytest.param(dict(num_workers=3, prefetch_factor=6, cache_rows=0), id="deep-prefetch-lazy"),
         pytest.param(dict(num_workers=2, ring_rows=8), id="ring-overflow"),
         pytest.param(dict(num_workers=1, policy="lru"), id="lru"),
+        pytest.param(dict(num_workers=8, prefetch_factor=1), id="8-workers"),
     ],
 )
 def test_dataloader_options_keep_training_exact(tmp_path, reference, options):
