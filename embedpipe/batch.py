@@ -33,6 +33,26 @@ def _move(value: Any, device: torch.device | str, non_blocking: bool) -> Any:
     return value
 
 
+class _GradHook:
+    """Hands the rows' gradient to the pipe, once. Holds no reference to the batch or the graph:
+    a hook that did (a bound method of the batch) would make a reference cycle through the
+    autograd graph, and every batch's (B, L, D) tensors would wait for the cyclic collector."""
+
+    def __init__(self, unique_ids: torch.Tensor, sink: GradSink) -> None:
+        self.unique_ids = unique_ids
+        self.sink = sink
+        self.sent = False
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        if self.sent:
+            raise RuntimeError(
+                "a second backward pass reached this batch's embeddings; embedpipe applies one "
+                "optimizer step per backward: sum the losses and call backward once per batch"
+            )
+        self.sent = True
+        self.sink(self.unique_ids, grad)
+
+
 class EmbeddedBatch(Mapping[str, Any]):
     """The collated fields plus ``inputs_embeds``; ``.to(device)`` moves the (U, D) rows, not (B, L, D).
 
@@ -60,13 +80,13 @@ class EmbeddedBatch(Mapping[str, Any]):
     def __getitem__(self, key: str) -> Any:
         if key != INPUTS_EMBEDS:
             return self.fields[key]
-        if self._embeds is None:
-            rows = self.rows
-            if self.grad_sink is not None and torch.is_grad_enabled():
-                rows = rows.detach().requires_grad_()
-                unique_ids, sink = self.unique_ids, self.grad_sink
-                rows.register_hook(lambda grad: sink(unique_ids, grad))
-            self._embeds = F.embedding(self.inverse, rows)  # (U, D) -> (B, L, D)
+        if self._embeds is not None:
+            return self._embeds
+        if self.grad_sink is None or not torch.is_grad_enabled():
+            return F.embedding(self.inverse, self.rows)  # not kept: a later read may train
+        rows = self.rows.detach().requires_grad_()
+        rows.register_hook(_GradHook(self.unique_ids, self.grad_sink))
+        self._embeds = F.embedding(self.inverse, rows)  # (U, D) -> (B, L, D)
         return self._embeds
 
     def __iter__(self) -> Iterator[str]:

@@ -156,9 +156,10 @@ class RowCache:
         self.state = {name: np.zeros((size, dim), dtype=shared.rows.dtype) for name in state}
         self.state_loaded = np.zeros(size, dtype=bool)
         self.pinned = np.zeros(size, dtype=bool)  # slots an optimizer step is computing on
+        self.last_admitted = 0  # rows the last hand-off admitted: about what the next evicts
         self.last_updated = np.full(len(shared.slot_of), step, dtype=np.int32)
         self.shared.clock[0] = step
-        self.counts = {"evictions": 0, "rows_read": 0, "rows_written": 0}
+        self.counts = {"evictions": 0, "rows_read": 0, "rows_written": 0, "cleaned_ahead": 0}
 
     # ----------------------------------------------------------------- hand-off (main thread)
     def current(self, ids: np.ndarray) -> np.ndarray:
@@ -190,6 +191,7 @@ class RowCache:
             self.shared.put(free, ids[admitted], rows[admitted])
             self.state_loaded[free] = False
             slots[admitted] = free
+            self.last_admitted = len(admitted)
         self.policy.record(ids, slots)
 
     # ----------------------------------------------------------------- writeback thread
@@ -224,10 +226,7 @@ class RowCache:
         """
         ids, slots, rows, state = update.ids, update.slots, update.rows, update.state
         cached = slots >= 0
-        s = slots[cached]
-        self._put_rows(s, rows[cached], {k: v[cached] for k, v in state.items()})
-        self.pinned[s] = False
-        if not cached.all():
+        if not cached.all():  # first the table: if the write fails, the cache is untouched
             rest = np.flatnonzero(~cached)
             self._store(ids[rest], rows[rest], {k: v[rest] for k, v in state.items()})
             now = self.shared.slot_of[ids[rest]].astype(np.int64)
@@ -238,7 +237,14 @@ class RowCache:
                     now[admitted], rows[picked], {k: v[picked] for k, v in state.items()}
                 )
                 self.dirty[now[admitted]] = False  # the table has it already
+        s = slots[cached]
+        self._put_rows(s, rows[cached], {k: v[cached] for k, v in state.items()})
+        self.pinned[s] = False
         self.last_updated[ids] = step
+
+    def unpin(self, update: Update) -> None:
+        """Release the slots of a step that failed between :meth:`gather` and :meth:`scatter`."""
+        self.pinned[update.slots[update.slots >= 0]] = False
 
     def _put_rows(self, slots: np.ndarray, rows: np.ndarray, state: dict[str, np.ndarray]) -> None:
         self.shared.overwrite(slots, rows)
@@ -246,6 +252,29 @@ class RowCache:
             array[slots] = state[name]
         self.state_loaded[slots] = True
         self.dirty[slots] = True
+
+    def clean_ahead(self) -> int:
+        """Write the coldest dirty rows (about two hand-offs' worth of evictions) to the table, so
+        that the hand-offs that evict them find them clean; returns how many were written.
+
+        Runs only once the cache is full (before that nothing is evicted).
+        """
+        wanted = 2 * self.last_admitted
+        if wanted == 0 or (self.shared.slot_id < 0).sum() >= wanted:
+            return 0
+        candidates = self.dirty & ~self.pinned
+        score = self.policy.slot_score(self.shared.slot_id)
+        score[~candidates] = np.inf
+        # coldest first: only dirty rows among the next `wanted` victims need writing
+        coldest = (
+            np.argpartition(score, wanted - 1)[:wanted]
+            if wanted < len(score)
+            else np.arange(len(score))
+        )
+        slots = coldest[np.isfinite(score[coldest])]
+        self._write_back(slots)
+        self.counts["cleaned_ahead"] += len(slots)
+        return len(slots)
 
     def flush(self) -> int:
         """Write every dirty row (and its state) to the table; returns how many."""

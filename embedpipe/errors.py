@@ -13,6 +13,7 @@ that do not know embedpipe::
     │   └── IdOutOfRangeError   ValueError, IndexError  id < 0 or id >= num_rows
     ├── InvalidRowsError        ValueError, TypeError   rows of the wrong shape or dtype
     ├── NonFiniteGradientError  FloatingPointError  a NaN or inf in an embedding gradient
+    ├── WorkerDiedError         RuntimeError        a DataLoader worker died mid-epoch
     ├── SourceFormatError       ValueError          a file `embedpipe import` cannot read
     └── SourceKeyError          LookupError         no tensor, or several, match the key
 
@@ -60,6 +61,10 @@ class InvalidRowsError(EmbedpipeError, ValueError, TypeError):
 
 class NonFiniteGradientError(EmbedpipeError, FloatingPointError):
     """An embedding gradient holds NaN or inf; nothing of that step was applied."""
+
+
+class WorkerDiedError(EmbedpipeError, RuntimeError):
+    """A DataLoader worker process died (killed, crashed) while loading batches."""
 
 
 class SourceFormatError(EmbedpipeError, ValueError):

@@ -10,13 +10,15 @@ start method) works as usual, because this is a DataLoader.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, default_convert
 
 from .batch import EmbeddedBatch
+from .errors import WorkerDiedError
 from .ring import BatchRing
 from .worker import CheckedDataset, CheckedIterable, LookedUp, Lookup
 
@@ -24,6 +26,15 @@ if TYPE_CHECKING:
     from .pipe import EmbeddingPipe
 
 DEFAULT_RING_ROWS = 2048
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
 
 
 class PipeLoader:
@@ -54,7 +65,10 @@ class PipeLoader:
             self.ring = BatchRing(
                 num_workers, depth, rows, table.dim, pipe.shared.tensors["rows"].dtype
             )
-        lookup = Lookup(collate_fn or default_collate, ids_key, table, pipe.shared, self.ring)
+        if collate_fn is None:  # as the DataLoader: no batching, no stacking
+            unbatched = batch_size is None and "batch_sampler" not in dataloader_kwargs
+            collate_fn = default_convert if unbatched else default_collate
+        lookup = Lookup(collate_fn, ids_key, table, pipe.shared, self.ring)
         self.pipe = pipe
         # The DataLoader pins the fields; the rows are made at hand-off, so pin them there.
         self._pin = bool(dataloader_kwargs.get("pin_memory")) and torch.cuda.is_available()
@@ -79,17 +93,39 @@ class PipeLoader:
         """The DataLoader's output. Without workers the lookup runs in this thread at ``next()``:
         in exact mode, let the writeback finish first so that it reads current rows."""
         writeback = self.pipe.writeback
-        if self.dataloader.num_workers > 0 or writeback is None or self.pipe.consistency != "exact":
-            yield from self.dataloader
-            return
+        wait = (
+            self.dataloader.num_workers == 0
+            and writeback is not None
+            and self.pipe.consistency == "exact"
+        )
         iterator = iter(self.dataloader)
-        while True:
-            writeback.wait()
+        try:
+            while True:
+                if wait:
+                    writeback.wait()
+                try:
+                    item = next(iterator)
+                except StopIteration:
+                    return
+                yield item
+        except Exception as e:
+            # A failed batch (a dead worker, a bad sample) ends the epoch: stop the workers now
+            # rather than when the traceback that references the iterator is collected. A dead
+            # worker surfaces in torch as a RuntimeError or, mid-transfer, a ConnectionResetError:
+            # name the worker either way.
             try:
-                item = next(iterator)
-            except StopIteration:
-                return
-            yield item
+                dead = [w for w in getattr(iterator, "_workers", ()) if w.exitcode not in (None, 0)]
+            finally:  # torch's SIGCHLD handler may raise here too; shut down all the same
+                shutdown = getattr(iterator, "_shutdown_workers", None)
+                if shutdown is not None:
+                    shutdown()
+            if dead:
+                raise WorkerDiedError(
+                    f"DataLoader worker (pid {dead[0].pid}) died ({_exit_reason(dead[0].exitcode)}) "
+                    "while loading batches; see the worker's own output above for why "
+                    "(out of memory is the usual cause of a SIGKILL)"
+                ) from e
+            raise
 
     def __len__(self) -> int:
         return len(self.dataloader)

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .batch import EmbeddedBatch
-from .cache import RowCache, SharedRows
+from .cache import RowCache, SharedRows, Update
 from .errors import NonFiniteGradientError
 from .optim import RowOptimizer
 from .policy import make_policy
@@ -111,7 +111,11 @@ class EmbeddingPipe:
         )
         self._lock = threading.Lock()
         self._start_step = table.step
-        self.writeback = Writeback(self._apply, step=table.step) if optimizer is not None else None
+        self.writeback = (
+            Writeback(self._apply, idle=self._clean_ahead, step=table.step)
+            if optimizer is not None
+            else None
+        )
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # gradients being accumulated
         self._counts = dict.fromkeys(("batches", "hits", "misses", "refreshed", "ring_overruns"), 0)
         self._closed = False
@@ -160,6 +164,7 @@ class EmbeddingPipe:
             "rows_read": self._counts["misses"] + cache["rows_read"],
             "rows_written": cache["rows_written"],
             "evictions": cache["evictions"],
+            "cleaned_ahead": cache["cleaned_ahead"],
             "writeback_queue": self.writeback.pending if self.writeback else 0,
             "steps": (self.writeback.applied if self.writeback else self._start_step)
             - self._start_step,
@@ -201,8 +206,11 @@ class EmbeddingPipe:
         error = None
         try:
             if self.writeback is not None:
-                if self._pending:
-                    self._submit()
+                try:
+                    if self._pending:
+                        self._submit()
+                except WritebackError as e:
+                    error, self._pending = e, []
                 try:
                     self.writeback.close()  # applies everything queued first
                 except WritebackError as e:
@@ -260,8 +268,14 @@ class EmbeddingPipe:
 
     def _on_grad(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
         """The gradient hook: check, move to the CPU, and queue (runs inside backward)."""
+        if self._closed:
+            raise RuntimeError(
+                "this EmbeddingPipe is closed: the embedding gradient of this batch cannot be applied"
+            )
         if self.check_finite:
             bad = ~torch.isfinite(grad).all(dim=1)
+            if self.padding_idx is not None:  # never applied, as in nn.Embedding
+                bad &= (unique_ids != self.padding_idx).to(bad.device)
             if bool(bad.any()):
                 where = bad.nonzero()[:, 0].cpu()
                 ids = unique_ids[where].tolist()
@@ -300,11 +314,21 @@ class EmbeddingPipe:
         """One optimizer step; the update itself runs outside the lock, so hand-offs go on."""
         with self._lock:
             work = self.cache.gather(ids)
-        state = {name: torch.from_numpy(rows) for name, rows in work.state.items()}
-        self.optimizer.update(torch.from_numpy(work.rows), grad, state, step)
-        with self._lock:
-            self.cache.scatter(work, step)
-            self.shared.clock[0] = step  # published last: a lookup that saw it sees the rows
+        try:
+            _update_in_float32(self.optimizer, work, grad, step)
+            with self._lock:
+                self.cache.scatter(work, step)
+                self.shared.clock[0] = step  # published last: a lookup that saw it sees the rows
+        except BaseException:
+            with self._lock:
+                self.cache.unpin(work)
+            raise
+
+    def _clean_ahead(self) -> None:
+        """Writeback thread, queue empty: write cold dirty rows while the loop is elsewhere."""
+        if self.shared.cache_rows:
+            with self._lock:
+                self.cache.clean_ahead()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -315,6 +339,24 @@ class EmbeddingPipe:
             f"EmbeddingPipe({self.table.path!r}, cache_rows={self.shared.cache_rows}, "
             f"optimizer={self.optimizer}, consistency={self.consistency!r})"
         )
+
+
+def _update_in_float32(
+    optimizer: RowOptimizer, work: Update, grad: torch.Tensor, step: int
+) -> None:
+    """Run the optimizer on ``work`` in place; float16 rows are updated in float32 and rounded
+    back, since an ``eps`` of 1e-8 and a squared gradient both vanish in float16."""
+    rows = torch.from_numpy(work.rows)
+    state = {name: torch.from_numpy(values) for name, values in work.state.items()}
+    if rows.dtype in (torch.float32, torch.float64):
+        optimizer.update(rows, grad, state, step)
+        return
+    wide = {name: values.float() for name, values in state.items()}
+    wide_rows = rows.float()
+    optimizer.update(wide_rows, grad.float(), wide, step)
+    rows.copy_(wide_rows)
+    for name, values in state.items():
+        values.copy_(wide[name])
 
 
 def _check_options(

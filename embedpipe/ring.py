@@ -11,13 +11,16 @@ ever handed between processes and no queue or lock is needed. The DataLoader kee
 at hand-off, before the batch reaches the training loop, so with ``depth = prefetch_factor + 1``
 a worker comes back to a slot only after the owner is done with it. Orders the DataLoader does
 not promise (an iterable dataset whose workers run out at different times, ``in_order=False``)
-could break that, so every slot carries a tag, written like a seqlock: the worker makes it odd,
-writes the rows, then sets it to the batch's even tag; the owner checks the tag before and after
-its copy. A slot that was overwritten is detected and the owner looks the rows up again itself.
+could break that, and so could two iterators of one loader alive at once (their workers share
+the slots), so every slot carries a tag, written like a seqlock: the worker makes it odd, writes
+the rows, then sets it to the batch's even tag, unique to the worker process (a random prefix);
+the owner checks the tag before and after its copy. A slot that was overwritten is detected and
+the owner looks the rows up again itself.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -37,7 +40,9 @@ class BatchRing:
         ).share_memory_()
         self.tags = torch.zeros(num_workers * depth, dtype=torch.int64).share_memory_()
         self._views()
-        self._sent = 0  # per process: batches this worker has written
+        self._pid = -1  # the process whose tag series _sent and _nonce are (see write)
+        self._sent = 0  # batches this process has written
+        self._nonce = 0
 
     def _views(self) -> None:
         self._buffers = self.buffers.numpy()
@@ -54,7 +59,7 @@ class BatchRing:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._views()
-        self._sent = 0
+        self._pid, self._sent, self._nonce = -1, 0, 0
 
     def write(self, worker: int, rows: np.ndarray) -> tuple[int, int] | None:
         """In a worker: put ``rows`` (U, D) into this worker's next slot; returns (slot, tag).
@@ -63,9 +68,12 @@ class BatchRing:
         """
         if len(rows) > self.rows_per_slot:
             return None
+        if self._pid != os.getpid():  # a new worker process: a tag series of its own
+            self._pid, self._sent = os.getpid(), 0
+            self._nonce = int.from_bytes(os.urandom(3), "little") << 32
         self._sent += 1
         slot = worker * self.depth + self._sent % self.depth
-        tag = 2 * self._sent
+        tag = self._nonce | 2 * self._sent
         self._tags[slot] = tag - 1  # odd: being written
         self._buffers[slot, : len(rows)] = rows
         self._tags[slot] = tag

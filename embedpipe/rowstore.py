@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import resource
 from collections import OrderedDict
 from typing import Any
 
@@ -44,8 +45,9 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
-#: How many chunk files one reader keeps mapped (virtual address space only, see the NOTE).
-MAX_MAPPED_CHUNKS = 4096
+#: How many chunk files one reader keeps mapped (see the NOTE). Python's mmap keeps a file
+#: descriptor per map, so stay well inside the process's limit on open files.
+MAX_MAPPED_CHUNKS = max(16, min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 8))
 
 
 def group_by_chunk(ids: np.ndarray, chunk_rows: int) -> tuple[list[int], list[np.ndarray]]:

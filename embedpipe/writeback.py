@@ -2,7 +2,8 @@
 
 The training loop's backward hands each step's (U, D) gradient to :meth:`Writeback.submit`; the
 thread applies the sparse optimizer to the rows through ``apply(ids, grad, step)`` and publishes
-how many steps are applied. The training loop waits on that count (:meth:`wait`) before it hands
+how many steps are applied; when the queue is empty it runs ``idle()``, where the pipe writes the
+coldest dirty rows to the table so that the next evictions find clean slots. The training loop waits on that count (:meth:`wait`) before it hands
 out a batch: for every step in exact mode, for all but ``max_staleness`` steps in bounded mode.
 
 NOTE [ Writeback errors and shutdown ]
@@ -49,9 +50,16 @@ class Writeback:
     """A queue of :class:`GradBatch` and one thread that applies them in step order."""
 
     def __init__(
-        self, apply: Callable[[np.ndarray, torch.Tensor, int], None], *, step: int = 0
+        self,
+        apply: Callable[[np.ndarray, torch.Tensor, int], None],
+        *,
+        idle: Callable[[], None] | None = None,
+        step: int = 0,
     ) -> None:
+        """``apply(ids, grad, step)`` runs one step; ``idle()`` runs after a step when nothing
+        else is queued (the pipe writes cold dirty rows back ahead of need there)."""
         self._apply = apply
+        self._idle = idle
         self._queue: queue.Queue[GradBatch | Stop] = queue.Queue()
         self._applied = threading.Condition()
         self.submitted = step  # steps handed to the queue (written by the training loop only)
@@ -121,3 +129,8 @@ class Writeback:
                 if self._error is None:
                     self.applied = item.step
                 self._applied.notify_all()
+            if self._idle is not None and self._error is None and self._queue.empty():
+                try:
+                    self._idle()
+                except BaseException as e:
+                    self._error = (item.step, e)

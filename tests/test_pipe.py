@@ -58,6 +58,7 @@ def test_training_equals_nn_embedding_bit_for_bit(tmp_path, data, optimizer):
         prefetch_factor=4,
     )
     assert stats["steps"] == STEPS and stats["evictions"] > 0 and stats["refreshed"] > 0
+    assert stats["cleaned_ahead"] > 0  # dirty rows written back ahead of their eviction
     assert (table - reference).abs().max().item() <= 1e-6
     assert torch.equal(table, reference)
     assert same_dense_params(model, ref_model)

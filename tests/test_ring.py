@@ -20,3 +20,13 @@ def test_rows_round_trip_and_overwrite_is_detected():
 def test_rows_that_do_not_fit_are_refused():
     ring = BatchRing(num_workers=1, depth=2, rows_per_slot=4, dim=3, dtype=torch.float32)
     assert ring.write(0, np.zeros((5, 3), np.float32)) is None
+
+
+def test_two_writers_of_a_slot_never_share_tags():
+    # Two iterators of one loader: two worker processes write worker 0's slots in turn.
+    ring = BatchRing(num_workers=1, depth=2, rows_per_slot=4, dim=3, dtype=torch.float32)
+    slot, tag = ring.write(0, np.ones((1, 3), np.float32))
+    ring._pid = -1  # the next write comes from a new process, with its own tag series
+    slot2, tag2 = ring.write(0, np.zeros((1, 3), np.float32))
+    assert slot == slot2 and tag != tag2
+    assert ring.read(slot, tag, 1) is None  # overwritten by the other writer: detected

@@ -38,6 +38,8 @@ def test_frozen_counts(tmp_path):
 def test_training_counts(tmp_path):
     _, stats = _run(tmp_path, optimizer=embedpipe.optim.SGD(lr=0.1))
     assert (stats["hits"], stats["misses"], stats["rows_read"], stats["evictions"]) == (3, 6, 6, 3)
-    # Every row used is updated, so each eviction writes one row, and close() writes the 3 cached.
-    assert stats["rows_written"] == 3 + 3 and stats["dirty_rows"] == 0
+    # Every row used is updated, so each eviction writes one row, and close() writes the 3 cached:
+    # 6 writes. The writeback thread may also write cold dirty rows ahead of their eviction; each
+    # such write is extra, or saves the one at eviction.
+    assert 6 <= stats["rows_written"] <= 6 + stats["cleaned_ahead"] and stats["dirty_rows"] == 0
     assert (stats["steps"], stats["writeback_queue"], stats["refreshed"]) == (8, 0, 0)
