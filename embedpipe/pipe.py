@@ -237,8 +237,9 @@ class EmbeddingPipe:
         """Turn a worker's lookup into the batch the loop sees (main thread).
 
         ``rows`` is the batch's copy of its unique rows, or None when its ring slot was
-        overwritten; ``pin`` puts them in pinned memory (the loader's ``pin_memory``). Waits for the writeback as the consistency mode requires, re-reads the rows
-        that changed since the lookup began, admits the misses into the cache.
+        overwritten; ``pin`` puts them in pinned memory (the loader's ``pin_memory``). Waits for
+        the writeback as the consistency mode requires, re-reads the rows that changed since the
+        lookup began, admits the misses into the cache.
         """
         self._check_open()
         ids = item.unique_ids

@@ -13,11 +13,8 @@ arrays. Only one process writes a table at a time (invariant 1); readers need no
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
-import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,21 +26,20 @@ from tqdm.auto import tqdm
 from zarr.codecs import BloscCodec, BytesCodec, ZstdCodec
 
 from .errors import (
-    IdOutOfRangeError,
     InvalidIdsError,
     InvalidRowsError,
     ReadOnlyTableError,
     TableExistsError,
     TableFormatError,
-    TableLockedError,
     TableNotFoundError,
 )
+from .ids import as_ids
+from .lock import WriterLock
 from .rowstore import ZarrRows, row_access
 
 FORMAT_VERSION = 1
 WEIGHT = "weight"
 STATE_GROUP = "state"
-LOCK_FILE = "writer.lock"
 
 #: Default chunk size in bytes: about 1 MiB of rows (docs/table-benchmark.md has the numbers).
 CHUNK_BYTES = 1 << 20
@@ -60,74 +56,6 @@ def default_chunk_rows(num_rows: int, dim: int, dtype: str = "float32") -> int:
     row_bytes = dim * np.dtype(dtype).itemsize
     rows = 1 << max(0, round(np.log2(max(1, CHUNK_BYTES // row_bytes))))
     return max(1, min(rows, num_rows))
-
-
-def as_ids(ids: Any, num_rows: int, what: str = "ids") -> np.ndarray:
-    """Validate ``ids`` (list, numpy or torch, any shape) and return them as int64 numpy.
-
-    Raises :class:`InvalidIdsError` for non-integer or ragged input and
-    :class:`IdOutOfRangeError` naming the first id outside ``[0, num_rows)`` and its position.
-    """
-    if isinstance(ids, torch.Tensor):
-        ids = ids.detach().cpu().numpy()
-    try:
-        array = np.asarray(ids)
-    except ValueError as e:  # numpy refuses ragged nested lists
-        raise InvalidIdsError(
-            f"{what} must be a rectangular integer array, got a ragged one ({e})"
-        ) from None
-    if array.dtype == object:
-        raise InvalidIdsError(
-            f"{what} must be a rectangular integer array, got a ragged one: {ids!r:.80}"
-        )
-    if array.size == 0:
-        return array.astype(np.int64)
-    if not np.issubdtype(array.dtype, np.integer):
-        raise InvalidIdsError(
-            f"{what} must be integers, got dtype {array.dtype} (e.g. {array.flat[0]!r}); "
-            "pass token ids as an int64 tensor or array"
-        )
-    array = array.astype(np.int64, copy=False)
-    bad = (array < 0) | (array >= num_rows)
-    if bad.any():
-        position = np.unravel_index(int(np.argmax(bad)), array.shape)
-        where = position[0] if len(position) == 1 else tuple(int(p) for p in position)
-        value = int(array[position])
-        raise IdOutOfRangeError(
-            f"{what}: id {value} at position {where} is out of range for a table of {num_rows} rows "
-            f"(valid ids are 0..{num_rows - 1}); check that the tokenizer matches the table"
-        )
-    return array
-
-
-class _WriterLock:
-    """An exclusive ``flock`` on ``writer.lock``; the file records who holds it."""
-
-    def __init__(self, folder: str) -> None:
-        self.path = os.path.join(folder, LOCK_FILE)
-        self.pid = os.getpid()  # a forked child shares the lock and must never release it
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self.fd, 512, 0).decode(errors="replace").strip() or "another handle"
-            os.close(self.fd)
-            raise TableLockedError(
-                f"table {folder} is already open for writing by {holder}; close that handle "
-                "(table.close() or pipe.close()) or open this one with mode='r'"
-            ) from None
-        os.ftruncate(self.fd, 0)
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-        os.pwrite(
-            self.fd, f"pid {os.getpid()} on {socket.gethostname()} since {stamp}\n".encode(), 0
-        )
-
-    def release(self) -> None:
-        if self.fd >= 0 and self.pid == os.getpid():
-            os.ftruncate(self.fd, 0)
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = -1
 
 
 class Table:
@@ -167,7 +95,7 @@ class Table:
                 f"embedpipe reads version {FORMAT_VERSION}: upgrade embedpipe"
             )
         self._meta = meta
-        self._lock = _WriterLock(self.path) if mode == "r+" else None
+        self._lock = WriterLock(self.path) if mode == "r+" else None
         self._rows: dict[str, ZarrRows] = {}
         weight = self._array(WEIGHT)
         self.num_rows, self.dim = (int(n) for n in weight.array.shape)

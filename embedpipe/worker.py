@@ -20,8 +20,9 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from .cache import SharedRows
 from .errors import IdOutOfRangeError
+from .ids import as_ids
 from .ring import BatchRing
-from .table import Table, as_ids
+from .table import Table
 
 
 @dataclass(frozen=True)
