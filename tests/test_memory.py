@@ -3,7 +3,7 @@
 1 GiB on disk, a 5 MB cache, Zipf-distributed ids, SGD training with two workers. Over the run the
 workers read tens of thousands of rows from disk; if the pages they read stayed in the process, or
 anything kept per batch, the main process or a worker would grow by far more than the budget:
-cache + ring + 8 bytes per table row (+ a fixed allowance for the allocator and imports).
+cache + ring + 12 bytes per table row (+ 8 MiB for the allocator).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from embedpipe.pipe import EmbeddingPipe
 ROWS, DIM = 1 << 20, 256  # 1 GiB of float32
 CACHE_ROWS = 5 * 2**20 // (DIM * 4)  # 5 MiB
 BATCHES, WARMUP = 200, 20
-SLACK = 48 * 2**20  # allocator arenas, lazily imported modules, the DataLoader's queues
+SLACK = (
+    8 * 2**20
+)  # allocator arenas, the DataLoader's queues (measured growth: 10-16 MiB owner, 4-6 MiB workers)
 
 
 class ZipfTokens(torch.utils.data.Dataset):
@@ -70,7 +72,9 @@ def test_neither_owner_nor_workers_grow_with_the_table(tmp_path):
         owner_end, workers_end = memory(loader)
         stats = pipe.stats()
     ring = loader.ring.buffers.numel() * 4
-    budget = CACHE_ROWS * DIM * 4 + ring + 8 * ROWS + SLACK
+    budget = (
+        CACHE_ROWS * DIM * 4 + ring + 12 * ROWS + SLACK
+    )  # 12 B/row: slot_of, last_updated, LFU uses
     rows_read = stats["rows_read"] - read_start
     # Each random row read maps a 4 KiB page: kept, the pages alone would blow the budget.
     assert rows_read * 4096 > 2 * budget, rows_read
