@@ -206,16 +206,12 @@ class RowCache:
         s = slots[cached]
         self._load_state(s)
         self.pinned[s] = True
-        rows = np.empty((len(ids), self.shared.rows.shape[1]), dtype=self.shared.rows.dtype)
-        rows[cached] = self.shared.rows[s]
+        rows = self.current(ids)
         state = {name: np.empty_like(rows) for name in self.state}
         for name, array in self.state.items():
             state[name][cached] = array[s]
-        if not cached.all():
-            rest = ids[~cached]
-            rows[~cached] = self._fetch(rest, "weight")
-            for name in self.state:
-                state[name][~cached] = self._fetch(rest, name)
+            if not cached.all():
+                state[name][~cached] = self._fetch(ids[~cached], name)
         return Update(ids, slots, rows, state)
 
     def scatter(self, update: Update, step: int) -> None:

@@ -182,6 +182,10 @@ class EmbeddingPipe:
         if self.writeback is None:
             return
         self.writeback.wait()
+        self._write_dirty()
+
+    def _write_dirty(self) -> None:
+        """Every updated row and its state to the table, then the step they correspond to."""
         with self._lock:
             self.cache.flush()
             self.table.update_metadata(step=self.writeback.applied)
@@ -215,9 +219,7 @@ class EmbeddingPipe:
                     self.writeback.close()  # applies everything queued first
                 except WritebackError as e:
                     error = e
-                with self._lock:
-                    self.cache.flush()
-                    self.table.update_metadata(step=self.writeback.applied)
+                self._write_dirty()
         finally:
             if self._owns_table:
                 self.table.close()

@@ -90,10 +90,14 @@ class ZarrRows:
     def write(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Write ``rows[i]`` to row ``ids[i]`` (ids unique and in range), a whole chunk at a time."""
         chunks, positions = group_by_chunk(ids, self.chunk_rows)
-        for chunk, pos in zip(chunks, positions, strict=False):
-            block = self.read_chunk(chunk)
-            block[ids[pos] - chunk * self.chunk_rows] = rows[pos]
-            self.write_chunk(chunk, block)
+        for chunk, pos in zip(chunks, positions):
+            self._rewrite_chunk(chunk, ids[pos], rows[pos])
+
+    def _rewrite_chunk(self, chunk: int, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Replace chunk ``chunk`` whole, with ``rows`` at ``ids`` (all in that chunk)."""
+        block = self.read_chunk(chunk)
+        block[ids - chunk * self.chunk_rows] = rows
+        self.write_chunk(chunk, block)
 
 
 class RawRows(ZarrRows):
@@ -172,9 +176,7 @@ class RawRows(ZarrRows):
             try:
                 fd = os.open(self._path(chunk), os.O_WRONLY)
             except FileNotFoundError:
-                block = self.read_chunk(chunk)
-                block[ids[pos] - chunk * self.chunk_rows] = rows[pos]
-                self.write_chunk(chunk, block)
+                self._rewrite_chunk(chunk, ids[pos], rows[pos])
                 continue
             try:
                 for i in pos.tolist():
