@@ -8,11 +8,16 @@ that do not know embedpipe::
     ├── TableExistsError        FileExistsError     create() over an existing path
     ├── TableFormatError        ValueError          the path is not an embedpipe table
     ├── TableLockedError        RuntimeError        a second writer opened the table
+    │   └── TableOwnedError                         the table belongs to a live EmbeddingPipe
+    ├── CorruptTableError       OSError             a chunk file missing, truncated or unreadable
     ├── ReadOnlyTableError      PermissionError     write to a table opened with mode="r"
     ├── InvalidIdsError         ValueError, TypeError   float, ragged or non-integer ids
     │   └── IdOutOfRangeError   ValueError, IndexError  id < 0 or id >= num_rows
     ├── InvalidRowsError        ValueError, TypeError   rows of the wrong shape or dtype
     ├── NonFiniteGradientError  FloatingPointError  a NaN or inf in an embedding gradient
+    ├── WritebackError          RuntimeError        the writeback thread failed (the cause is attached)
+    ├── TableWriteError         OSError             writing the table failed (disk full, I/O error):
+    │                                               names the table, the step and the file
     ├── WorkerDiedError         RuntimeError        a DataLoader worker died mid-epoch
     ├── SourceFormatError       ValueError          a file `embedpipe import` cannot read
     └── SourceKeyError          LookupError         no tensor, or several, match the key
@@ -43,6 +48,14 @@ class TableLockedError(EmbedpipeError, RuntimeError):
     """Another process (or another handle in this one) holds the table open for writing."""
 
 
+class TableOwnedError(TableLockedError):
+    """The table object is claimed by a live :class:`~embedpipe.EmbeddingPipe`; only it writes."""
+
+
+class CorruptTableError(EmbedpipeError, OSError):
+    """A chunk file of the table is missing, has the wrong size or cannot be decoded."""
+
+
 class ReadOnlyTableError(EmbedpipeError, PermissionError):
     """A write was attempted through a handle opened with ``mode="r"``."""
 
@@ -61,6 +74,15 @@ class InvalidRowsError(EmbedpipeError, ValueError, TypeError):
 
 class NonFiniteGradientError(EmbedpipeError, FloatingPointError):
     """An embedding gradient holds NaN or inf; nothing of that step was applied."""
+
+
+class WritebackError(EmbedpipeError, RuntimeError):
+    """The writeback thread failed; the message says at which step, the cause is chained."""
+
+
+class TableWriteError(EmbedpipeError, OSError):
+    """Writing the table failed (full disk, I/O error); ``errno`` is the cause's. The message
+    names the table, the step and the file, and says which checkpoint the table reopens at."""
 
 
 class WorkerDiedError(EmbedpipeError, RuntimeError):

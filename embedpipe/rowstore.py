@@ -25,7 +25,9 @@ read time when the same chunks are read again; in the pipe, rows read from disk 
 misses, rarely read again soon.
 
 Row writes (``write``) go in place, one ``pwrite`` per row, and are visible to every mapping at
-once. Replacing whole chunks instead would rewrite ``chunk_rows`` rows for every scattered row
+once, with one exception: a chunk file that is also part of a committed checkpoint (its link
+count is above 1, see NOTE [ Checkpoint commit ] in ``checkpoints.py``) is first copied and the
+copy renamed over the live name, so a checkpoint never changes; readers notice the new inode. Replacing whole chunks instead would rewrite ``chunk_rows`` rows for every scattered row
 (measured: a 5 MB cache evicting into a 1 GiB table wrote ~100 MB per batch), which is what the
 writeback does all the time. The price: a reader copying the very row being written may see a mix
 of old and new bytes. embedpipe's own readers never keep such a copy: a row is written either
@@ -38,12 +40,16 @@ from __future__ import annotations
 import mmap
 import os
 import resource
+import shutil
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import zarr
 from zarr.storage import LocalStore
+
+from .checkpoints import write_all
+from .errors import CorruptTableError
 
 #: How many chunk files one reader keeps mapped (see the NOTE). Python's mmap keeps a file
 #: descriptor per map, so stay well inside the process's limit on open files.
@@ -65,19 +71,57 @@ def group_by_chunk(ids: np.ndarray, chunk_rows: int) -> tuple[list[int], list[np
 
 
 class ZarrRows:
-    """Rows of a zarr array through the general zarr API (any store, any codec)."""
+    """Rows of a zarr array through the general zarr API (any store, any codec).
 
-    def __init__(self, array: zarr.Array) -> None:
+    ``complete``: every chunk of the array has a file (tables of format 2 on), so a missing one
+    is damage, not a chunk that was never written; it raises :class:`CorruptTableError`.
+    """
+
+    def __init__(self, array: zarr.Array, *, complete: bool = True) -> None:
         self.array = array
         self.num_rows, self.dim = array.shape
         self.chunk_rows = array.chunks[0]
         self.dtype = np.dtype(array.dtype)
+        self.complete = complete
 
     def read(self, ids: np.ndarray) -> np.ndarray:
         """Rows for ``ids`` (1-D int64, in range), in the order of ``ids``."""
         unique_ids, inverse = np.unique(ids, return_inverse=True)
-        rows = self.array.get_orthogonal_selection((unique_ids, slice(None)))
+        chunks, _ = group_by_chunk(unique_ids, self.chunk_rows)
+        if self.complete:
+            for chunk in chunks:
+                self._check_exists(chunk)
+        try:
+            rows = self.array.get_orthogonal_selection((unique_ids, slice(None)))
+        except Exception as e:  # a codec that cannot decode a chunk: find which one
+            for chunk in chunks:
+                try:
+                    self.read_chunk(chunk)
+                except Exception:
+                    raise self._damaged(chunk, f"cannot be decoded ({type(e).__name__}: {e})") from e
+            raise
         return np.asarray(rows)[inverse]
+
+    def _check_exists(self, chunk: int) -> None:
+        if not isinstance(self.array.store_path.store, LocalStore):
+            return  # remote stores: zarr reads a missing chunk as the fill value
+        key = self.array.metadata.encode_chunk_key((chunk, 0))
+        path = os.path.join(self._where(), key)
+        if not os.path.exists(path):
+            raise self._damaged(chunk, f"is missing ({path})")
+
+    def _damaged(self, chunk: int, what: str) -> CorruptTableError:
+        first = chunk * self.chunk_rows
+        last = min(first + self.chunk_rows, self.num_rows) - 1
+        return CorruptTableError(
+            f"chunk {chunk} (rows {first}..{last}) of {self._where()} {what}; the table is "
+            "damaged, or it is a checkpoint that was deleted while open: reopen the table, or "
+            "open an earlier checkpoint with Table.open(path, step=N)"
+        )
+
+    def _where(self) -> str:
+        store = self.array.store_path.store
+        return os.path.join(str(getattr(store, "root", store)), self.array.path)
 
     def read_chunk(self, chunk: int) -> np.ndarray:
         start = chunk * self.chunk_rows
@@ -86,6 +130,15 @@ class ZarrRows:
     def write_chunk(self, chunk: int, rows: np.ndarray) -> None:
         start = chunk * self.chunk_rows
         self.array[start : start + len(rows)] = rows
+
+    def fill_all(self, value: float) -> None:
+        """Give every chunk a file holding ``value`` everywhere (a new array)."""
+        for chunk in range(-(-self.num_rows // self.chunk_rows)):
+            self.fill_chunk(chunk, value)
+
+    def fill_chunk(self, chunk: int, value: float) -> None:
+        rows = min(self.chunk_rows, self.num_rows - chunk * self.chunk_rows)
+        self.write_chunk(chunk, np.full((rows, self.dim), value, dtype=self.dtype))
 
     def write(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Write ``rows[i]`` to row ``ids[i]`` (ids unique and in range), a whole chunk at a time."""
@@ -103,8 +156,8 @@ class ZarrRows:
 class RawRows(ZarrRows):
     """Rows of a local, uncompressed zarr array, read and written as raw chunk files."""
 
-    def __init__(self, array: zarr.Array, root: str) -> None:
-        super().__init__(array)
+    def __init__(self, array: zarr.Array, root: str, *, complete: bool = True) -> None:
+        super().__init__(array, complete=complete)
         self.root = root  # the array's folder; chunk i lives at root/c/i/0
         self.row_bytes = self.dim * self.dtype.itemsize
         self.fill = np.asarray(array.fill_value, dtype=self.dtype)
@@ -133,19 +186,33 @@ class RawRows(ZarrRows):
     def _path(self, chunk: int) -> str:
         return os.path.join(self.root, "c", str(chunk), "0")
 
+    def _where(self) -> str:
+        return self.root
+
     def _mapped(self, chunk: int) -> np.ndarray:
         """The chunk's rows as a read-only array over its current file (see the NOTE)."""
         path = self._path(chunk)
         try:
             inode = os.stat(path).st_ino
-        except FileNotFoundError:  # never written: zarr reads it as the fill value
-            return np.broadcast_to(self.fill, (self.chunk_rows, self.dim))
+        except FileNotFoundError:
+            if self.complete:
+                raise self._damaged(chunk, f"is missing ({path})") from None
+            return np.broadcast_to(self.fill, (self.chunk_rows, self.dim))  # format 1: fill
         cached = self._maps.get(chunk)
         if cached is not None and cached[0] == inode:
             self._maps.move_to_end(chunk)
             return cached[2]
-        with open(path, "rb") as f:
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:  # replaced or deleted since the stat: look again
+            return self._mapped(chunk)
+        with f:
             inode = os.fstat(f.fileno()).st_ino  # the file we map, even if replaced since stat
+            size = os.fstat(f.fileno()).st_size
+            if size != self.chunk_rows * self.row_bytes:
+                raise self._damaged(
+                    chunk, f"has {size} bytes, not {self.chunk_rows * self.row_bytes} ({path})"
+                )
             m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         m.madvise(mmap.MADV_RANDOM)  # one page per fault, no read-ahead: rows are random
         rows = np.frombuffer(m, dtype=self.dtype).reshape(-1, self.dim)
@@ -165,37 +232,64 @@ class RawRows(ZarrRows):
         return out
 
     def write(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Write rows in place in their chunk files, one ``pwrite`` per row (see the NOTE).
-
-        A chunk that has no file yet is written whole.
-        """
+        """Write rows in place in their chunk files, one ``pwrite`` per row (see the NOTE); a
+        chunk file shared with a checkpoint is copied first. Raises ``OSError`` on a full disk,
+        after which some of the rows may be written and others not."""
         data = np.ascontiguousarray(rows, dtype=self.dtype.newbyteorder("<"))
         chunks, positions = group_by_chunk(ids, self.chunk_rows)
         for chunk, pos in zip(chunks, positions):
             pos = pos[np.argsort(ids[pos])]  # ascending offsets within the file
-            try:
-                fd = os.open(self._path(chunk), os.O_WRONLY)
-            except FileNotFoundError:
+            fd = self._open_private(chunk)
+            if fd < 0:  # format 1: a chunk never written has no file yet
                 self._rewrite_chunk(chunk, ids[pos], rows[pos])
                 continue
             try:
                 for i in pos.tolist():
-                    os.pwrite(
-                        fd, data[i].data, int(ids[i] - chunk * self.chunk_rows) * self.row_bytes
-                    )
+                    offset = int(ids[i] - chunk * self.chunk_rows) * self.row_bytes
+                    write_all(fd, data[i].data, offset)
             finally:
                 os.close(fd)
+
+    def _open_private(self, chunk: int) -> int:
+        """The chunk's file open for writing, copied first if a checkpoint shares it; -1 if a
+        format-1 table has no file for it yet."""
+        path = self._path(chunk)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            if self.complete:
+                raise self._damaged(chunk, f"is missing ({path})") from None
+            return -1
+        if os.fstat(fd).st_nlink == 1:
+            return fd
+        os.close(fd)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:  # copy-on-write: the checkpoint keeps the old file (NOTE [ Checkpoint commit ])
+            shutil.copyfile(path, tmp)
+            fd = os.open(tmp, os.O_RDWR)
+        except BaseException:
+            _unlink(tmp)
+            raise
+        os.replace(tmp, path)
+        return fd
 
     def read_chunk(self, chunk: int) -> np.ndarray:
         rows = len(
             range(chunk * self.chunk_rows, min((chunk + 1) * self.chunk_rows, self.num_rows))
         )
-        try:
-            with open(self._path(chunk), "rb") as f:
-                data = np.frombuffer(f.read(), dtype=self.dtype).reshape(-1, self.dim)
-        except FileNotFoundError:
+        if not self.complete and not os.path.exists(self._path(chunk)):
             return np.full((rows, self.dim), self.fill, dtype=self.dtype)
-        return data[:rows].copy()
+        return np.array(self._mapped(chunk)[:rows])
+
+    def fill_chunk(self, chunk: int, value: float) -> None:
+        if value != 0:
+            return super().fill_chunk(chunk, value)
+        path = self._path(chunk)  # zeros: a sparse file, no disk space until written
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.truncate(self.chunk_rows * self.row_bytes)
+        os.replace(tmp, path)
 
     def write_chunk(self, chunk: int, rows: np.ndarray) -> None:
         # zarr v3 stores an edge chunk at full size: pad the last chunk's file to chunk_rows.
@@ -205,8 +299,12 @@ class RawRows(ZarrRows):
         path = self._path(chunk)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(np.ascontiguousarray(rows, dtype=self.dtype.newbyteorder("<")).data)
+        try:
+            with open(tmp, "wb") as f:
+                write_all(f.fileno(), np.ascontiguousarray(rows, dtype=self.dtype.newbyteorder("<")))
+        except BaseException:
+            _unlink(tmp)
+            raise
         os.replace(tmp, path)  # atomic: readers see the old chunk or the new one
 
     def __getstate__(self) -> dict[str, Any]:
@@ -215,7 +313,16 @@ class RawRows(ZarrRows):
         return state
 
 
-def row_access(array: zarr.Array) -> ZarrRows:
+def row_access(array: zarr.Array, *, complete: bool = True) -> ZarrRows:
     """The fastest row reader/writer that handles ``array``."""
     root = RawRows.supports(array)
-    return RawRows(array, root) if root is not None else ZarrRows(array)
+    if root is None:
+        return ZarrRows(array, complete=complete)
+    return RawRows(array, root, complete=complete)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -5,16 +5,19 @@
     table.zarr/                 zarr v3 group; attributes["embedpipe"] holds the metadata
       weight/                   (num_rows, dim) array, chunks of whole rows
       state/<name>/             optimizer state, same row index (Adagrad "sum", Adam "exp_avg"...)
-      writer.lock               held (flock) by the one process that has the table open to write
+      checkpoints/<seq>-step-<step>/   committed checkpoints (hard links, see checkpoints.py)
 
 The layout and metadata are described in ``docs/table-format.md``; any zarr v3 reader opens the
-arrays. Only one process writes a table at a time (invariant 1); readers need no lock.
+arrays. Only one process writes a table at a time (invariant 1): it holds an ``flock`` on the
+folder. Readers need no lock: they open a committed checkpoint, never the arrays being written,
+so a reader (or a reopen after a crash) sees the table exactly as it was at a checkpoint.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,8 @@ import zarr
 from tqdm.auto import tqdm
 from zarr.codecs import BloscCodec, BytesCodec, ZstdCodec
 
+from . import checkpoints
+from .checkpoints import Checkpoint
 from .errors import (
     InvalidIdsError,
     InvalidRowsError,
@@ -32,14 +37,20 @@ from .errors import (
     TableExistsError,
     TableFormatError,
     TableNotFoundError,
+    TableOwnedError,
 )
 from .ids import as_ids
 from .lock import WriterLock
 from .rowstore import ZarrRows, row_access
 
-FORMAT_VERSION = 1
+#: 2: every chunk has a file, checkpoints/, the lock is on the folder. 1 is read, and upgraded
+#: when opened to write.
+FORMAT_VERSION = 2
+READS_FORMATS = (1, 2)
 WEIGHT = "weight"
 STATE_GROUP = "state"
+#: Checkpoints kept when nothing else is said (``EmbeddingPipe(keep=...)`` changes it).
+DEFAULT_KEEP = 3
 
 #: Default chunk size in bytes: about 1 MiB of rows (docs/table-benchmark.md has the numbers).
 CHUNK_BYTES = 1 << 20
@@ -62,40 +73,85 @@ class Table:
     """The embedding table on disk: a zarr v3 group with the weights, optimizer state and metadata.
 
     Make one with :meth:`create` or :meth:`from_tensor`, open one with :meth:`open`. A table
-    opened with ``mode="r+"`` holds the writer lock until :meth:`close` (or the end of a ``with``
-    block). A table pickles as its path and reopens read-only in the receiving process, which is
-    how DataLoader workers get their own handle.
+    opened with ``mode="r"`` reads a committed checkpoint (the latest, or ``step=N``) and never
+    changes under its reader. One opened with ``mode="r+"`` holds the writer lock until
+    :meth:`close`, writes rows in place, and makes them durable with :meth:`checkpoint` (which
+    :meth:`close` calls); a crash before that reopens at the previous checkpoint. A table pickles
+    as the folder it reads and reopens read-only in the receiving process, which is how
+    DataLoader workers get their own handle.
     """
 
-    def __init__(self, path: str | os.PathLike[str], mode: str = "r") -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], mode: str = "r", *, step: int | None = None
+    ) -> None:
         """Open the table at ``path``; prefer :meth:`open`, which documents the arguments."""
         if mode not in ("r", "r+"):
             raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
         self.path = str(Path(path).expanduser().resolve())
         self.mode = mode
-        if not os.path.exists(self.path):
-            raise TableNotFoundError(
-                f"no table at {self.path}; create one with Table.create(...) or `embedpipe import`"
+        self._lock: WriterLock | None = None
+        self._owner: str | None = None
+        self._modified = False
+        meta = _read_table_metadata(self.path)
+        if meta.get("checkpoint"):
+            raise TableFormatError(
+                f"{self.path} is a checkpoint inside a table; open the table with "
+                f"Table.open(table_path, step={meta.get('step')}) instead"
             )
-        if not os.path.isdir(self.path):
-            raise TableFormatError(f"{self.path} is a file, not a table folder (a zarr v3 group)")
+        if mode == "r+":
+            self._lock = WriterLock(self.path)
+            try:
+                root = self._open_to_write(meta, step)
+            except BaseException:
+                self._lock.release()
+                self._lock = None
+                raise
+        else:
+            root = self._checkpoint_to_read(meta, step)
+        self._open_root(root)
+
+    def _checkpoint_to_read(self, meta: dict[str, Any], step: int | None) -> str:
+        """The folder a reader opens: the latest checkpoint, the newest one at ``step``, or (a
+        format-1 table, which has none) the table itself."""
+        found = checkpoints.checkpoints(self.path)
+        if step is None:
+            return found[-1].path if found else self.path
+        matching = [c for c in found if c.step == step]
+        if not matching:
+            steps = sorted({c.step for c in found})
+            raise TableNotFoundError(
+                f"table {self.path} has no checkpoint at step {step}; it has steps {steps} "
+                "(older ones were deleted: EmbeddingPipe(keep=...) keeps more)"
+            )
+        return matching[-1].path
+
+    def _open_to_write(self, meta: dict[str, Any], step: int | None) -> str:
+        """Take the table back to its latest checkpoint (or the one at ``step``, committed again
+        as the newest), upgrading a format-1 table first. Returns the folder to open."""
+        if meta.get("format_version") == 1:
+            _upgrade_format_1(self.path, meta)
+        checkpoints.recover(self.path)
+        if step is not None:
+            source = self._checkpoint_to_read(meta, step)
+            checkpoints.restore(self.path, source)
+            restored = _read_table_metadata(self.path)
+            checkpoints.commit(self.path, restored, step, restored.get("keep", DEFAULT_KEEP))
+        return self.path
+
+    def _open_root(self, root: str) -> None:
+        """Open the zarr group at ``root`` (the table, or one of its checkpoints) for reading."""
+        self.root = root
         try:
-            self._group = zarr.open_group(self.path, mode="r" if mode == "r" else "r+")
+            self._group = zarr.open_group(root, mode="r+" if self._lock is not None else "r")
             meta = dict(self._group.attrs.get("embedpipe", {}))
         except (FileNotFoundError, ValueError, TypeError, KeyError) as e:
-            raise TableFormatError(f"{self.path} is not an embedpipe table: {e}") from None
-        if not meta or WEIGHT not in self._group:
+            raise TableFormatError(f"{root} is not an embedpipe table: {e}") from None
+        if WEIGHT not in self._group:
             raise TableFormatError(
-                f"{self.path} is a zarr group without embedpipe metadata or a 'weight' array; "
+                f"{root} is a zarr group without a 'weight' array; "
                 "make a table with `embedpipe import` or Table.create(...)"
             )
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise TableFormatError(
-                f"{self.path} has table format version {meta.get('format_version')!r}; this "
-                f"embedpipe reads version {FORMAT_VERSION}: upgrade embedpipe"
-            )
         self._meta = meta
-        self._lock = WriterLock(self.path) if mode == "r+" else None
         self._rows: dict[str, ZarrRows] = {}
         weight = self._array(WEIGHT)
         self.num_rows, self.dim = (int(n) for n in weight.array.shape)
@@ -137,6 +193,9 @@ class Table:
             ):
                 rows = _normal_rows(seed, start, min(start + step, num_rows), dim, std)
                 table._write_range(WEIGHT, start, rows.astype(table.dtype))
+        else:
+            table._array(WEIGHT).fill_all(0.0)
+        table._commit(0)
         return table
 
     @classmethod
@@ -180,12 +239,33 @@ class Table:
                 block = np.asarray(weight[start : start + step])
                 table._write_range(WEIGHT, start, block)
                 bar.update(len(block))
+        table._commit(0)
         return table
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], mode: str = "r") -> Table:
-        """Open the table at ``path``: ``mode="r"`` to read, ``"r+"`` to write (takes the lock)."""
-        return cls(path, mode)
+    def open(
+        cls, path: str | os.PathLike[str], mode: str = "r", *, step: int | None = None
+    ) -> Table:
+        """Open the table at ``path``.
+
+        ``mode="r"`` reads the latest committed checkpoint, or the newest one at training step
+        ``step``; rows written since (by a pipe still training, or by a process that crashed)
+        are not seen. ``mode="r+"`` takes the writer lock and opens the table to write, first
+        taking it back to its latest checkpoint (what a crash left is undone); with ``step`` it
+        takes it back to that checkpoint instead, committed again as the newest (the newer
+        checkpoints are kept until ``keep`` of them pushes them out).
+        """
+        return cls(path, mode, step=step)
+
+    @classmethod
+    def _reader(cls, path: str, root: str) -> Table:
+        """A read-only handle on the folder ``root`` of table ``path`` (the table itself: the
+        arrays being written, which a pipe's DataLoader workers read; or a checkpoint)."""
+        table = cls.__new__(cls)
+        table.path, table.mode = path, "r"
+        table._lock, table._owner, table._modified = None, None, False
+        table._open_root(root)
+        return table
 
     @classmethod
     def _create_empty(
@@ -215,7 +295,8 @@ class Table:
                 raise TableExistsError(
                     f"{path} already exists; pick another path or pass overwrite=True (--force on the command line)"
                 )
-            cls.open(path, "r+").close()  # refuse to delete a table another process is writing
+            _read_table_metadata(path)  # refuse to delete a folder that is not a table
+            WriterLock(path).release()  # or a table another process is writing
             shutil.rmtree(path)
         group = zarr.open_group(path, mode="w-")
         meta = {
@@ -224,10 +305,18 @@ class Table:
             "optimizer": None,
             "state": [],
             "compressor": compressor,
+            "keep": DEFAULT_KEEP,
         }
-        group.attrs["embedpipe"] = meta
+        checkpoints.write_file(
+            os.path.join(path, checkpoints.METADATA),
+            checkpoints.group_metadata({"embedpipe": meta}),
+        )
         _create_row_array(group, WEIGHT, num_rows, dim, dtype, int(chunk_rows), compressor)
-        return cls(path, "r+")
+        table = cls.__new__(cls)
+        table.path, table.mode, table._owner, table._modified = path, "r+", None, True
+        table._lock = WriterLock(path)
+        table._open_root(path)
+        return table
 
     # ----------------------------------------------------------------------------- rows
     @property
@@ -246,11 +335,13 @@ class Table:
         return self._array(name).read(flat).reshape(*ids.shape, self.dim)
 
     def write(self, ids: Any, rows: Any, name: str = WEIGHT) -> None:
-        """Write ``rows[i]`` to row ``ids[i]``.
+        """Write ``rows[i]`` to row ``ids[i]``; durable at the next :meth:`checkpoint`.
 
-        Uncompressed local tables write each row in place (one ``pwrite``); other tables rewrite
-        every chunk the ids fall in, atomically. ``ids`` must be unique; ``rows`` must have shape ``(len(ids), dim)`` and the array's
-        dtype exactly (no silent casts). Everything is checked before the first byte is written.
+        Uncompressed local tables write each row in place (one ``pwrite``; a chunk shared with
+        a checkpoint is copied first); other tables rewrite every chunk the ids fall in,
+        atomically. ``ids`` must be unique; ``rows`` must have shape ``(len(ids), dim)`` and the
+        array's dtype exactly (no silent casts). Everything is checked before the first byte is
+        written.
         """
         self._check_writable()
         array = self._array(name)
@@ -275,7 +366,7 @@ class Table:
                 f"rows must have the table's dtype {array.dtype}, got {rows.dtype}; "
                 f"cast with .astype('{array.dtype}') if that is what you mean"
             )
-        array.write(ids, rows)
+        self._store(ids, rows, name)
 
     def to_tensor(self) -> torch.Tensor:
         """The whole weight table as a [num_rows, dim] CPU tensor (reads every chunk)."""
@@ -283,7 +374,7 @@ class Table:
 
     def read_range(self, start: int, stop: int, name: str = WEIGHT) -> np.ndarray:
         """Rows ``start:stop`` as a new array (one sequential read per chunk)."""
-        return np.asarray(self._array(name).array[start:stop])
+        return self._array(name).read(np.arange(start, stop, dtype=np.int64))
 
     def iter_blocks(
         self, rows_per_block: int | None = None, name: str = WEIGHT
@@ -302,13 +393,17 @@ class Table:
     def add_state(self, name: str, fill: float = 0.0) -> None:
         """Add an optimizer state array ``name`` (same rows, chunks and dtype), every value ``fill``."""
         self._check_writable()
+        self._add_state(name, fill)
+
+    def _add_state(self, name: str, fill: float) -> None:
         if not name.isidentifier():
             raise ValueError(f"state name must be an identifier, got {name!r}")
         if name in self.state_names:
             raise ValueError(f"state {name!r} already exists in {self.path}")
         weight = self._array(WEIGHT)
+        group = zarr.open_group(self.path, mode="r+")
         _create_row_array(
-            self._group,
+            group,
             f"{STATE_GROUP}/{name}",
             self.num_rows,
             self.dim,
@@ -317,12 +412,14 @@ class Table:
             self._meta.get("compressor", "none"),
             fill_value=fill,
         )
-        self.update_metadata(state=[*self.state_names, name])
+        self._group = zarr.open_group(self.path, mode="r+")
+        self._array(name, known=True).fill_all(fill)
+        self._update_metadata(state=[*self.state_names, name])
 
     # ----------------------------------------------------------------------------- metadata
     @property
     def metadata(self) -> dict[str, Any]:
-        """A copy of the table's metadata: format_version, step, optimizer, state, compressor."""
+        """A copy of the table's metadata: format_version, step, optimizer, state, compressor, keep."""
         return dict(self._meta)
 
     @property
@@ -331,22 +428,102 @@ class Table:
         return int(self._meta.get("step", 0))
 
     def update_metadata(self, **values: Any) -> None:
-        """Set metadata keys (JSON values) and persist them in the group's attributes."""
+        """Set metadata keys (JSON values) in the table; durable at the next :meth:`checkpoint`."""
         self._check_writable()
+        self._update_metadata(**values)
+
+    def _update_metadata(self, **values: Any) -> None:
         self._meta.update(values)
-        self._group.attrs["embedpipe"] = self._meta
+        checkpoints.write_file(
+            os.path.join(self.path, checkpoints.METADATA),
+            checkpoints.group_metadata({"embedpipe": self._meta}),
+        )
+        self._modified = True
+
+    # ----------------------------------------------------------------------------- checkpoints
+    @property
+    def checkpoints(self) -> list[Checkpoint]:
+        """The committed checkpoints (``seq``, ``step``, ``path``, ``time``), oldest first."""
+        return checkpoints.checkpoints(self.path)
+
+    def checkpoint(self) -> Checkpoint:
+        """Commit what was written as a checkpoint at the table's ``step``: after this, a crash
+        or a reader sees these rows. A pipe's own ``checkpoint()`` calls this."""
+        self._check_writable()
+        return self._commit(self.step)
+
+    def _commit(self, step: int) -> Checkpoint:
+        """Commit the live arrays as the checkpoint of ``step`` (NOTE [ Checkpoint commit ])."""
+        meta = {**self._meta, "step": step}
+        checkpoint = checkpoints.commit(self.path, meta, step, int(meta.get("keep", DEFAULT_KEEP)))
+        self._update_metadata(step=step)
+        self._modified = False
+        return checkpoint
+
+    def _restore(self, source: str, optimizer: Any) -> Checkpoint:
+        """Make the live arrays those of the checkpoint folder ``source`` (another table's, as
+        made by ``save_checkpoint``) and commit them as the newest checkpoint, at its step.
+        State arrays ``optimizer`` needs and the source lacks are added."""
+        checkpoints.restore(self.path, source)
+        keep = self._meta.get("keep", DEFAULT_KEEP)
+        self._meta = _read_table_metadata(self.path)
+        self._meta["keep"] = keep
+        self._open_root(self.path)
+        if optimizer is not None:
+            for name, fill in optimizer.state_init().items():
+                if name not in self.state_names:
+                    self._add_state(name, fill)
+            self._meta["optimizer"] = optimizer.config()
+        return self._commit(self.step)
+
+    def _abandon(self) -> None:
+        """Release the lock without committing (a write hangs in another thread)."""
+        self._owner = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def nbytes_on_disk(self) -> int:
-        """Bytes the table's folder takes on disk."""
-        total = 0
+        """Bytes the table's folder takes on disk (hard-linked checkpoints counted once)."""
+        total, seen = 0, set()
         for folder, _, files in os.walk(self.path):
-            total += sum(os.path.getsize(os.path.join(folder, f)) for f in files)
+            for f in files:
+                st = os.lstat(os.path.join(folder, f))
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_blocks * 512
         return total
+
+    # ----------------------------------------------------------------------------- owner
+    def _claim(self, owner: str) -> None:
+        """Make ``owner`` (a live pipe, described) the only writer through this object."""
+        if self._owner is not None:
+            raise TableOwnedError(
+                f"table {self.path} already belongs to {self._owner}; close that pipe "
+                "(pipe.close(), or leave its `with` block) before making another one on this table"
+            )
+        if self._lock is None:
+            raise ReadOnlyTableError(
+                f"table {self.path} is open read-only; open it with Table.open(path, mode='r+') to train it"
+            )
+        self._owner = owner
+
+    def _release_claim(self) -> None:
+        self._owner = None
 
     # ----------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
-        """Release the writer lock; the handle stays usable for nothing after this."""
+        """Commit what was written since the last checkpoint, then release the writer lock.
+
+        Refused while an :class:`~embedpipe.EmbeddingPipe` owns the table: close the pipe first.
+        """
+        if self._owner is not None:
+            raise TableOwnedError(
+                f"table {self.path} belongs to {self._owner}; close the pipe first (pipe.close())"
+            )
         if self._lock is not None:
+            if self._modified:
+                self._commit(self.step)
             self._lock.release()
             self._lock = None
 
@@ -358,27 +535,41 @@ class Table:
 
     def __del__(self) -> None:
         lock = getattr(self, "_lock", None)
-        if lock is not None:
+        if lock is not None:  # dropped without close(): what was not committed is not kept
+            if getattr(self, "_modified", False):
+                warnings.warn(
+                    f"Table {self.path} was dropped without close(): writes since its last "
+                    "checkpoint are not kept",
+                    ResourceWarning,
+                    stacklevel=2,
+                )
             lock.release()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path}
+        return {"path": self.path, "root": self.root}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["path"], "r")  # type: ignore[misc]
+        self.__dict__.update(Table._reader(state["path"], state["root"]).__dict__)
 
     def __repr__(self) -> str:
         return f"Table({self.path!r}, num_rows={self.num_rows}, dim={self.dim}, dtype={self.dtype.name}, mode={self.mode!r})"
 
     # ----------------------------------------------------------------------------- internals
-    def _array(self, name: str) -> ZarrRows:
+    def _array(self, name: str, *, known: bool = False) -> ZarrRows:
         rows = self._rows.get(name)
         if rows is None:
             key = name if name == WEIGHT else f"{STATE_GROUP}/{name}"
-            if name != WEIGHT and name not in self.state_names:
+            if name != WEIGHT and name not in self.state_names and not known:
                 raise KeyError(f"no state array {name!r} in {self.path}; it has {self.state_names}")
-            rows = self._rows[name] = row_access(self._group[key])
+            array = self._group[key].with_config({"write_empty_chunks": True})
+            complete = self._meta.get("format_version") != 1
+            rows = self._rows[name] = row_access(array, complete=complete)
         return rows
+
+    def _store(self, ids: np.ndarray, rows: np.ndarray, name: str = WEIGHT) -> None:
+        """Write rows (checked by the caller) to the live arrays, bypassing the owner check."""
+        self._modified = True
+        self._array(name).write(ids, rows)
 
     def _block_rows(self) -> int:
         """Rows in a block of whole chunks of about 16 MiB, the unit of streaming copies."""
@@ -394,10 +585,68 @@ class Table:
             )
 
     def _check_writable(self) -> None:
+        if self._owner is not None:
+            raise TableOwnedError(
+                f"table {self.path} belongs to {self._owner}, which is its only writer: "
+                "write through the pipe, or close it first"
+            )
         if self._lock is None:
             raise ReadOnlyTableError(
                 f"table {self.path} is open read-only; open it with Table.open(path, mode='r+') to write"
             )
+
+
+def _read_table_metadata(path: str) -> dict[str, Any]:
+    """The embedpipe metadata of the table folder ``path``; raises if it is not one."""
+    if not os.path.exists(path):
+        raise TableNotFoundError(
+            f"no table at {path}; create one with Table.create(...) or `embedpipe import`"
+        )
+    if not os.path.isdir(path):
+        raise TableFormatError(f"{path} is a file, not a table folder (a zarr v3 group)")
+    try:
+        attributes = checkpoints.read_attributes(path)
+    except FileNotFoundError:
+        raise TableFormatError(
+            f"{path} is not an embedpipe table (no zarr.json in it); make one with "
+            "`embedpipe import` or Table.create(...)"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise TableFormatError(f"{path} is not an embedpipe table: unreadable zarr.json ({e})") from None
+    meta = attributes.get("embedpipe")
+    if not isinstance(meta, dict):
+        raise TableFormatError(
+            f"{path} is a zarr group without embedpipe metadata; "
+            "make a table with `embedpipe import` or Table.create(...)"
+        )
+    if meta.get("format_version") not in READS_FORMATS:
+        raise TableFormatError(
+            f"{path} has table format version {meta.get('format_version')!r}; this "
+            f"embedpipe reads versions {list(READS_FORMATS)}: upgrade embedpipe"
+        )
+    return meta
+
+
+def _upgrade_format_1(path: str, meta: dict[str, Any]) -> None:
+    """Bring a format-1 table (chunks that were never written have no file; a writer.lock
+    file) to format 2 and commit it as its first checkpoint. Runs under the writer lock."""
+    group = zarr.open_group(path, mode="r")
+    for key in [WEIGHT, *(f"{STATE_GROUP}/{n}" for n in meta.get("state", []))]:
+        array = group[key].with_config({"write_empty_chunks": True})
+        rows = row_access(array, complete=False)
+        for chunk in range(-(-rows.num_rows // rows.chunk_rows)):
+            key_path = os.path.join(path, key, array.metadata.encode_chunk_key((chunk, 0)))
+            if not os.path.exists(key_path):
+                rows.fill_chunk(chunk, float(array.fill_value))
+    lock_file = os.path.join(path, "writer.lock")
+    if os.path.exists(lock_file):
+        os.unlink(lock_file)
+    upgraded = {**meta, "format_version": FORMAT_VERSION, "keep": meta.get("keep", DEFAULT_KEEP)}
+    checkpoints.write_file(
+        os.path.join(path, checkpoints.METADATA), checkpoints.group_metadata({"embedpipe": upgraded})
+    )
+    checkpoints.commit(path, upgraded, int(upgraded.get("step", 0)), upgraded["keep"])
+    meta.update(upgraded)
 
 
 def _normal_rows(seed: int, start: int, stop: int, dim: int, std: float) -> np.ndarray:
@@ -429,6 +678,7 @@ def _create_row_array(
     }[compressor]
     return group.create_array(
         name,
+        config={"write_empty_chunks": True},  # a chunk equal to the fill value keeps its file
         shape=(num_rows, dim),
         chunks=(min(chunk_rows, num_rows), dim),
         dtype=dtype,

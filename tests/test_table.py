@@ -39,7 +39,7 @@ def test_random_reads_match_zarr_api(table, weight):
     np.testing.assert_array_equal(z[:], weight)
 
 
-def test_write_is_visible_to_zarr_and_to_a_reader_opened_before(table, weight):
+def test_readers_see_committed_checkpoints_only(table, weight):
     reader = embedpipe.Table.open(table.path)
     reader.read(np.arange(1000))  # maps every chunk
     ids = np.array([999, 0, 70, 64])
@@ -47,7 +47,10 @@ def test_write_is_visible_to_zarr_and_to_a_reader_opened_before(table, weight):
     table.write(ids, rows)
     expected = weight.copy()
     expected[ids] = rows
-    np.testing.assert_array_equal(reader.read(np.arange(1000)), expected)
+    np.testing.assert_array_equal(embedpipe.Table.open(table.path).to_tensor(), weight)
+    table.checkpoint()
+    np.testing.assert_array_equal(embedpipe.Table.open(table.path).to_tensor(), expected)
+    np.testing.assert_array_equal(reader.read(np.arange(1000)), weight)  # its checkpoint, whole
     np.testing.assert_array_equal(zarr.open_array(os.path.join(table.path, "weight"))[:], expected)
 
 
@@ -100,6 +103,7 @@ def test_state_arrays_share_the_row_index(table):
     assert table.state_names == ["sum"]
     np.testing.assert_array_equal(table.read([3, 999], "sum"), np.full((2, 16), 0.5, np.float32))
     table.write([3], np.full((1, 16), 2.0, np.float32), "sum")
+    table.checkpoint()
     reopened = embedpipe.Table.open(table.path)
     assert reopened.state_names == ["sum"]
     assert reopened.read([3], "sum")[0, 0] == 2.0 and reopened.read([4], "sum")[0, 0] == 0.5
@@ -109,9 +113,11 @@ def test_state_arrays_share_the_row_index(table):
 
 def test_metadata_persists(table):
     table.update_metadata(step=7, optimizer={"name": "adagrad", "lr": 0.1})
+    assert embedpipe.Table.open(table.path).metadata["step"] == 0  # not committed yet
+    table.close()  # commits
     meta = embedpipe.Table.open(table.path).metadata
     assert meta["step"] == 7 and meta["optimizer"] == {"name": "adagrad", "lr": 0.1}
-    assert meta["format_version"] == 1
+    assert meta["format_version"] == 2
 
 
 def test_pickled_table_reopens_read_only(table, weight):

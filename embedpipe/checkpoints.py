@@ -1,0 +1,339 @@
+"""Checkpoints of a table folder: commit, list, recover, restore and copy, with plain file calls.
+
+A table folder holds the *live* arrays, which the owner writes in place while it trains, and the
+committed checkpoints, each a complete zarr group of hard links to the chunk files as they were::
+
+    table.zarr/
+      zarr.json                   the group; attributes["embedpipe"] = the live metadata
+      weight/, state/             live arrays: chunk files c/<i>/0, written in place
+      checkpoints/                a zarr group
+        000007-step-1200/         checkpoint 7, at training step 1200: zarr.json, weight/, state/,
+                                  every file a hard link to the live file as it was at the commit
+
+NOTE [ Checkpoint commit ]
+A chunk file shared with a checkpoint (link count > 1) is never written in place: the first
+write after a commit copies it and renames the copy over the live name (copy-on-write,
+``rowstore.RawRows``), so a committed checkpoint never changes. A commit is::
+
+    fsync every live file that is not in the previous checkpoint     (new since then: the data)
+    checkpoints/.tmp-<seq>/  <- zarr.json, then a hard link per live file, fsync every folder
+    rename .tmp-<seq> -> <seq>-step-<step>; fsync checkpoints/        (the commit point)
+    rewrite the live zarr.json; prune beyond keep (rename to .trash-<seq> first, then delete)
+
+so a crash anywhere leaves the previous checkpoints whole and the new one either complete or
+absent. Opening the table to write (:func:`recover`) deletes ``.tmp-*`` and ``.trash-*`` debris
+and makes every live file a link to the latest checkpoint's file again, so rows written in place
+after that commit are gone. Readers open a checkpoint folder, never the live arrays.
+
+Every name here is a valid zarr node and every folder has its ``zarr.json`` before anything else
+is put in it, so zarr-python lists the group's members without warnings.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+CHECKPOINTS = "checkpoints"
+METADATA = "zarr.json"
+#: The folders of a table that hold its arrays (and are what a checkpoint links).
+CONTENT = ("weight", "state")
+#: Files being written that are not part of the table yet: our copy-on-write and restore
+#: temporaries, and zarr-python's atomic-write temporaries.
+_DEBRIS = re.compile(r"(\.tmp|\.partial)$")
+_NAME = re.compile(r"^(\d{6,})-step-(\d+)$")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint: its sequence number (commit order), training step and folder."""
+
+    seq: int
+    step: int
+    path: str
+    time: str = ""
+
+
+# ----------------------------------------------------------------------------- metadata files
+def group_metadata(attributes: dict[str, Any]) -> bytes:
+    """The zarr.json of a zarr v3 group with these attributes."""
+    doc = {"attributes": attributes, "zarr_format": 3, "node_type": "group"}
+    return json.dumps(doc, indent=2).encode()
+
+
+def read_attributes(folder: str) -> dict[str, Any]:
+    """The attributes in ``folder``'s zarr.json."""
+    with open(os.path.join(folder, METADATA), "rb") as f:
+        return dict(json.loads(f.read()).get("attributes") or {})
+
+
+def write_file(path: str, data: bytes) -> None:
+    """Write ``path`` atomically and durably: temporary file, fsync, rename, fsync the folder."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            write_all(f.fileno(), data)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
+    fsync_dir(os.path.dirname(path))
+
+
+def write_all(fd: int, data: Any, offset: int | None = None) -> None:
+    """Write every byte of ``data`` (at ``offset``, or at the file position): short writes are
+    continued, a write that makes no progress raises ``OSError(ENOSPC)``."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.write(fd, view[done:]) if offset is None else os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "no bytes written (disk full?)")
+        done += n
+
+
+def fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- listing
+def checkpoints(root: str) -> list[Checkpoint]:
+    """The committed checkpoints of the table at ``root``, oldest commit first."""
+    folder = os.path.join(root, CHECKPOINTS)
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        match = _NAME.match(name)
+        if match:
+            path = os.path.join(folder, name)
+            try:
+                stamp = read_attributes(path).get("embedpipe", {}).get("checkpoint", {})
+            except (OSError, ValueError):
+                stamp = {}
+            found.append(
+                Checkpoint(int(match[1]), int(match[2]), path, str(stamp.get("time", "")))
+            )
+    return sorted(found, key=lambda c: c.seq)
+
+
+def latest(root: str) -> Checkpoint | None:
+    found = checkpoints(root)
+    return found[-1] if found else None
+
+
+def _next_seq(root: str) -> int:
+    folder = os.path.join(root, CHECKPOINTS)
+    numbers = [int(m[0]) for n in os.listdir(folder) if (m := re.search(r"\d+", n))]
+    return max(numbers, default=0) + 1
+
+
+# ----------------------------------------------------------------------------- the file tree
+def content_files(folder: str) -> dict[str, os.stat_result]:
+    """Every file of the arrays in ``folder`` (relative path -> stat), temporaries left out."""
+    files = {}
+    for top in CONTENT:
+        base = os.path.join(folder, top)
+        for dirpath, _, names in os.walk(base):
+            for name in names:
+                if not _DEBRIS.search(name):
+                    path = os.path.join(dirpath, name)
+                    files[os.path.relpath(path, folder)] = os.lstat(path)
+    return files
+
+
+def _debris(folder: str) -> Iterator[str]:
+    for top in CONTENT:
+        for dirpath, _, names in os.walk(os.path.join(folder, top)):
+            for name in names:
+                if _DEBRIS.search(name):
+                    yield os.path.join(dirpath, name)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard-link ``src`` at ``dst``; copy it where a link cannot be made (another filesystem)."""
+    try:
+        os.link(src, dst)
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+        shutil.copyfile(src, dst)
+
+
+def _place(files: dict[str, os.stat_result], src: str, dst: str) -> None:
+    """Link (or copy) each of ``files`` from ``src`` into ``dst``, every folder's zarr.json
+    before anything else in it (so a zarr reader listing the folder never meets a bare one)."""
+    made = set()
+    for rel in sorted(files, key=lambda r: (not r.endswith(METADATA), r.count(os.sep), r)):
+        target = os.path.join(dst, rel)
+        parent = os.path.dirname(target)
+        if parent not in made:
+            os.makedirs(parent, exist_ok=True)
+            made.add(parent)
+        _link_or_copy(os.path.join(src, rel), target)
+
+
+def _fsync_tree(folder: str) -> None:
+    """fsync every folder under ``folder``, deepest first, then ``folder``."""
+    for dirpath, _, _ in sorted(os.walk(folder), key=lambda w: -w[0].count(os.sep)):
+        fsync_dir(dirpath)
+
+
+# ----------------------------------------------------------------------------- commit
+def commit(root: str, metadata: dict[str, Any], step: int, keep: int) -> Checkpoint:
+    """Commit the live arrays of ``root`` as a checkpoint at ``step`` (see the NOTE).
+
+    ``metadata`` is the table's embedpipe metadata at that step. Raises ``OSError`` (full disk,
+    ...) with every earlier checkpoint intact and no trace of the failed one.
+    """
+    folder = os.path.join(root, CHECKPOINTS)
+    if not os.path.exists(os.path.join(folder, METADATA)):
+        os.makedirs(folder, exist_ok=True)
+        write_file(os.path.join(folder, METADATA), group_metadata({"embedpipe": "checkpoints"}))
+    files = content_files(root)
+    previous = latest(root)
+    durable = content_files(previous.path) if previous else {}
+    for rel, st in files.items():  # new since the last commit: make the data durable first
+        old = durable.get(rel)
+        if old is None or (old.st_ino, old.st_dev) != (st.st_ino, st.st_dev):
+            fsync_file(os.path.join(root, rel))
+    seq = _next_seq(root)
+    tmp = os.path.join(folder, f".tmp-{seq:06d}")
+    stamp = {"seq": seq, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    try:
+        os.mkdir(tmp)
+        write_file(
+            os.path.join(tmp, METADATA),
+            group_metadata({"embedpipe": {**metadata, "step": step, "checkpoint": stamp}}),
+        )
+        _place(files, root, tmp)
+        _fsync_tree(tmp)
+        final = os.path.join(folder, f"{seq:06d}-step-{step}")
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(folder)
+    prune(root, keep)
+    return Checkpoint(seq, step, final, stamp["time"])
+
+
+def prune(root: str, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints (renamed to ``.trash-*`` first, so a crash
+    in the middle never leaves a half-deleted checkpoint that looks committed)."""
+    found = checkpoints(root)
+    old = found[: max(0, len(found) - keep)]
+    if not old:
+        return
+    trash = []
+    for checkpoint in old:
+        target = os.path.join(os.path.dirname(checkpoint.path), f".trash-{checkpoint.seq:06d}")
+        os.rename(checkpoint.path, target)
+        trash.append(target)
+    fsync_dir(os.path.join(root, CHECKPOINTS))
+    for target in trash:
+        shutil.rmtree(target, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- recover, restore
+def recover(root: str) -> Checkpoint | None:
+    """Make the live arrays of ``root`` the latest checkpoint again; returns it (None if none).
+
+    Deletes what a crash can leave: an uncommitted ``.tmp-*`` checkpoint, a ``.trash-*`` one
+    being deleted, temporary chunk files, and every row written after the last commit.
+    """
+    folder = os.path.join(root, CHECKPOINTS)
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            if name.startswith((".tmp-", ".trash-")):
+                shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+    checkpoint = latest(root)
+    if checkpoint is not None:
+        restore(root, checkpoint.path)
+    return checkpoint
+
+
+def restore(root: str, source: str) -> int:
+    """Make the live arrays of ``root`` those of the checkpoint folder ``source`` (of this table
+    or another one); returns how many files changed. Files are hard-linked (copied across
+    filesystems); the live metadata becomes the source's, less its checkpoint stamp."""
+    for path in _debris(root):
+        _unlink(path)
+    want = content_files(source)
+    have = content_files(root)
+    for rel in sorted(set(have) - set(want)):
+        os.unlink(os.path.join(root, rel))
+    changed = 0
+    for rel in sorted(want, key=lambda r: (not r.endswith(METADATA), r.count(os.sep), r)):
+        st, now = want[rel], have.get(rel)
+        if now is not None and (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
+            continue
+        target = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = f"{target}.restore.tmp"
+        _unlink(tmp)
+        _link_or_copy(os.path.join(source, rel), tmp)
+        os.replace(tmp, target)
+        changed += 1
+    _remove_empty_folders(root)
+    attributes = read_attributes(source)
+    meta = dict(attributes.get("embedpipe", {}))
+    meta.pop("checkpoint", None)
+    write_file(os.path.join(root, METADATA), group_metadata({**attributes, "embedpipe": meta}))
+    return changed
+
+
+def snapshot(source: str, destination: str) -> Checkpoint:
+    """Make ``destination`` (a new folder) a table of its own holding the checkpoint folder
+    ``source``, with that as its one checkpoint: hard links where the filesystem allows, copies
+    elsewhere. Built under a temporary name and renamed, so it appears whole or not at all."""
+    tmp = f"{destination}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.mkdir(tmp)
+        restore(tmp, source)
+        meta = read_attributes(tmp)["embedpipe"]
+        checkpoint = commit(tmp, meta, int(meta.get("step", 0)), keep=1)
+        _fsync_tree(tmp)
+        os.rename(tmp, destination)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(os.path.dirname(destination))
+    return Checkpoint(checkpoint.seq, checkpoint.step, checkpoint.path.replace(tmp, destination, 1))
+
+
+def _remove_empty_folders(root: str) -> None:
+    for top in CONTENT:
+        for dirpath, _, _ in os.walk(os.path.join(root, top), topdown=False):
+            if not os.listdir(dirpath):
+                os.rmdir(dirpath)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
