@@ -16,56 +16,72 @@ A worker never waits: a copy that fails the check is a miss, and the row is read
 That read is never older than the cache was when the lookup began, because a dirty row is written
 to the table before its slot is released (``RowCache._evict``), and an update that lands after the
 lookup began is caught at hand-off by ``last_updated[id] > lookup_step`` (invariant 4).
-The protocol relies on stores and loads not being reordered across numpy calls, which holds on
-x86-64 (total store order); see docs/consistency.md.
+Each arrow above is separated by :func:`~embedpipe.ordering.fence` where the CPU could reorder
+it (``ordering.py``).
+
+The owner's changes are safe to interrupt (a signal, an exception from a debugger's trace
+function) at any point. Version updates are idempotent: a change makes the version ``v | 1``
+(odd, whether or not an interrupted change left it odd) and ends at ``(v | 1) + 1``; a half-done
+``put`` or ``clear`` leaves at worst a slot that workers miss and the owner ignores (``slot_of``
+is the owner's truth, and ``clear`` only resets ``slot_of`` entries that still point at the
+slot); owner-side flags are reset before a slot is given away. The one change that cannot be
+left half done, the rows of an optimizer step, runs under :meth:`RowCache._guard`, which marks
+the cache broken if it is interrupted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
+from .errors import EmbedpipeError
+from .ordering import fence
 from .policy import LRU
+from .shm import SharedBlock
 
 Fetch = Callable[[np.ndarray, str], np.ndarray]  # (ids, array name) -> rows, from the table
 Store = Callable[[np.ndarray, np.ndarray, str], None]  # (ids, rows, array name) -> None
 
 
-def _shared(shape: tuple[int, ...], dtype: torch.dtype, fill: float) -> torch.Tensor:
-    return torch.full(shape, fill, dtype=dtype).share_memory_()
+class CacheBrokenError(EmbedpipeError, RuntimeError):
+    """An interruption left the cache in a state that cannot be trusted; the table on disk is
+    untouched since its last checkpoint."""
 
 
 class SharedRows:
-    """The shared arrays of the cache; pickles as shared-memory handles, not copies.
+    """The shared arrays of the cache, in one anonymous shared block (``shm.py``).
 
     ``rows`` (C, D) the cached rows; ``slot_id`` (C,) the id in each slot or -1; ``version`` (C,)
     the seqlock counters; ``slot_of`` (V,) the slot of each id or -1 (4 bytes per table row);
-    ``clock[0]`` the number of optimizer steps applied (the owner's ``applied_step``).
+    ``clock[0]`` the owner's update clock: one tick per optimizer step applied (``lookup_step``
+    and ``last_updated`` are in its ticks).
     """
 
-    def __init__(self, num_rows: int, cache_rows: int, dim: int, dtype: torch.dtype) -> None:
-        self.tensors = {
-            "rows": _shared((cache_rows, dim), dtype, 0),
-            "slot_id": _shared((cache_rows,), torch.int64, -1),
-            "version": _shared((cache_rows,), torch.int64, 0),
-            "slot_of": _shared((num_rows,), torch.int32, -1),
-            "clock": _shared((1,), torch.int64, 0),
-        }
+    def __init__(self, num_rows: int, cache_rows: int, dim: int, dtype: Any) -> None:
+        self.block = SharedBlock(
+            {
+                "rows": ((cache_rows, dim), dtype, 0),
+                "slot_id": ((cache_rows,), np.int64, -1),
+                "version": ((cache_rows,), np.int64, 0),
+                "slot_of": ((num_rows,), np.int32, -1),
+                "clock": ((1,), np.int64, 0),
+            }
+        )
         self._views()
 
     def _views(self) -> None:
-        for name, tensor in self.tensors.items():
-            setattr(self, name, tensor.numpy())
+        for name in ("rows", "slot_id", "version", "slot_of", "clock"):
+            setattr(self, name, self.block[name])
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"tensors": self.tensors}  # torch's reducers share the memory, numpy would copy
+        return {"block": self.block}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.tensors = state["tensors"]
+        self.block = state["block"]
         self._views()
 
     @property
@@ -73,8 +89,20 @@ class SharedRows:
         return len(self.slot_id)
 
     @property
+    def dtype(self) -> np.dtype:
+        return self.rows.dtype
+
+    @property
     def applied_step(self) -> int:
-        return int(self.clock[0])
+        """The clock as a worker reads it before any row (the fence orders the reads after it)."""
+        tick = int(self.clock[0])
+        fence()
+        return tick
+
+    def publish(self, tick: int) -> None:
+        """Owner: publish the clock after the rows of that tick are in place."""
+        fence()
+        self.clock[0] = tick
 
     def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Seqlock-validated copies of the cached rows of ``ids`` (unique, int64).
@@ -87,34 +115,48 @@ class SharedRows:
         cached = np.flatnonzero(slots >= 0)
         s = slots[cached]
         before = self.version[s]
+        fence()
         out[cached] = self.rows[s]
         good = (self.slot_id[s] == ids[cached]) & (before & 1 == 0)
+        fence()
         good &= self.version[s] == before
         hit = np.zeros(len(ids), dtype=bool)
         hit[cached[good]] = True
         return out, hit
 
     # The owner's writes, each inside the slot's seqlock. Slots must be unique.
+    def _begin(self, slots: np.ndarray) -> np.ndarray:
+        odd = self.version[slots] | 1  # odd, even if an interrupted change left it odd
+        self.version[slots] = odd
+        fence()
+        return odd
+
+    def _end(self, slots: np.ndarray, odd: np.ndarray) -> None:
+        fence()
+        self.version[slots] = odd + 1
+
     def put(self, slots: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
         """Give ``slots`` to ``ids`` with ``rows`` (the slots must be empty)."""
-        self.version[slots] += 1
+        odd = self._begin(slots)
         self.slot_id[slots] = ids
         self.rows[slots] = rows
-        self.slot_of[ids] = slots
-        self.version[slots] += 1
+        self.slot_of[ids] = slots  # last: until here the owner sees the ids as not cached
+        self._end(slots, odd)
 
     def overwrite(self, slots: np.ndarray, rows: np.ndarray) -> None:
         """New contents for occupied ``slots``."""
-        self.version[slots] += 1
+        odd = self._begin(slots)
         self.rows[slots] = rows
-        self.version[slots] += 1
+        self._end(slots, odd)
 
     def clear(self, slots: np.ndarray) -> None:
         """Empty ``slots``."""
-        self.version[slots] += 1
-        self.slot_of[self.slot_id[slots]] = -1
+        odd = self._begin(slots)
+        ids = self.slot_id[slots]
+        mine = (ids >= 0) & (self.slot_of[np.maximum(ids, 0)] == slots)
+        self.slot_of[ids[mine]] = -1  # only entries still pointing here: clear is repeatable
         self.slot_id[slots] = -1
-        self.version[slots] += 1
+        self._end(slots, odd)
 
 
 @dataclass
@@ -126,6 +168,9 @@ class Update:
     slots: np.ndarray
     rows: np.ndarray
     state: dict[str, np.ndarray]
+
+    def copy(self) -> Update:
+        return Update(self.ids, self.slots, self.rows.copy(), {k: v.copy() for k, v in self.state.items()})
 
 
 class RowCache:
@@ -145,7 +190,6 @@ class RowCache:
         store: Store,
         *,
         state: tuple[str, ...] = (),
-        step: int = 0,
     ) -> None:
         self.shared = shared
         self.policy = policy
@@ -157,13 +201,16 @@ class RowCache:
         self.state_loaded = np.zeros(size, dtype=bool)
         self.pinned = np.zeros(size, dtype=bool)  # slots an optimizer step is computing on
         self.last_admitted = 0  # rows the last hand-off admitted: about what the next evicts
-        self.last_updated = np.full(len(shared.slot_of), step, dtype=np.int32)
-        self.shared.clock[0] = step
+        self.clock = 0  # ticks: one per applied step (and one per reset); published to workers
+        self.last_updated = np.zeros(len(shared.slot_of), dtype=np.int32)  # tick of last change
+        self.shared.publish(0)
         self.counts = {"evictions": 0, "rows_read": 0, "rows_written": 0, "cleaned_ahead": 0}
+        self._broken: str | None = None  # what was interrupted, once the cache cannot be trusted
 
     # ----------------------------------------------------------------- hand-off (main thread)
     def current(self, ids: np.ndarray) -> np.ndarray:
         """The newest rows of ``ids``: from the cache where cached, else from the table."""
+        self._check()
         slots = self.shared.slot_of[ids].astype(np.int64)
         rows = np.empty((len(ids), self.shared.rows.shape[1]), dtype=self.shared.rows.dtype)
         cached = slots >= 0
@@ -176,8 +223,10 @@ class RowCache:
         """Record a batch's use of ``ids`` (unique) and cache those the policy admits, with ``rows``.
 
         Frees slots through the policy, writing dirty victims to the table first; never evicts a
-        row of this batch or one an optimizer step is working on.
+        row of this batch or one an optimizer step is working on. Safe to interrupt anywhere:
+        what is done is consistent, the rest is not done.
         """
+        self._check()
         if self.shared.cache_rows == 0:
             return
         slots = self.shared.slot_of[ids].astype(np.int64)
@@ -188,8 +237,9 @@ class RowCache:
             admitted = new[chosen]
             self._evict(free[self.shared.slot_id[free] >= 0])
             self.policy.forget(free)
+            self.state_loaded[free] = False  # before the slots take their new ids
+            self.dirty[free] = False
             self.shared.put(free, ids[admitted], rows[admitted])
-            self.state_loaded[free] = False
             slots[admitted] = free
             self.last_admitted = len(admitted)
         self.policy.record(ids, slots)
@@ -201,6 +251,7 @@ class RowCache:
         Cached rows are pinned: no admission evicts them until :meth:`scatter`, so the step can be
         computed outside the pipe's lock while hand-offs go on.
         """
+        self._check()
         slots = self.shared.slot_of[ids].astype(np.int64)
         cached = slots >= 0
         s = slots[cached]
@@ -214,29 +265,52 @@ class RowCache:
                 state[name][~cached] = self._fetch(ids[~cached], name)
         return Update(ids, slots, rows, state)
 
-    def scatter(self, update: Update, step: int) -> None:
-        """Put the updated rows back: into their pinned slots, and into the table for the rest.
+    def scatter(self, update: Update, before: Update) -> int:
+        """Put the updated rows back: into their pinned slots, and into the table for the rest;
+        returns the clock tick of this update, for the owner to publish.
 
         A row that was not cached at :meth:`gather` is written to the table; if a hand-off has
-        admitted it since, its cached copy is replaced too, so no update is lost.
+        admitted it since, its cached copy is replaced too, so no update is lost. ``before`` holds
+        the rows and state of ``update`` as they were: if the table write fails midway, the rows
+        already written are put back, so the table holds the step before, whole, and the error
+        is raised; if even that fails the cache is marked broken.
         """
         ids, slots, rows, state = update.ids, update.slots, update.rows, update.state
         cached = slots >= 0
-        if not cached.all():  # first the table: if the write fails, the cache is untouched
-            rest = np.flatnonzero(~cached)
-            self._store(ids[rest], rows[rest], {k: v[rest] for k, v in state.items()})
-            now = self.shared.slot_of[ids[rest]].astype(np.int64)
-            admitted = now >= 0
-            if admitted.any():
-                picked = rest[admitted]
-                self._put_rows(
-                    now[admitted], rows[picked], {k: v[picked] for k, v in state.items()}
-                )
-                self.dirty[now[admitted]] = False  # the table has it already
-        s = slots[cached]
-        self._put_rows(s, rows[cached], {k: v[cached] for k, v in state.items()})
-        self.pinned[s] = False
-        self.last_updated[ids] = step
+        rest = np.flatnonzero(~cached)
+        if len(rest):  # first the table: if the write fails, the cache is untouched
+            try:
+                self._store(ids[rest], rows[rest], {k: v[rest] for k, v in state.items()})
+            except BaseException as e:
+                self._roll_back(ids[rest], before, rest, e)
+                raise
+        with self._guard("an optimizer step's update of the cached rows"):
+            if len(rest):
+                now = self.shared.slot_of[ids[rest]].astype(np.int64)
+                admitted = now >= 0
+                if admitted.any():
+                    picked = rest[admitted]
+                    self._put_rows(
+                        now[admitted], rows[picked], {k: v[picked] for k, v in state.items()}
+                    )
+                    self.dirty[now[admitted]] = False  # the table has it already
+            s = slots[cached]
+            self._put_rows(s, rows[cached], {k: v[cached] for k, v in state.items()})
+            self.pinned[s] = False
+            self.clock += 1
+            self.last_updated[ids] = self.clock
+        return self.clock
+
+    def _roll_back(
+        self, ids: np.ndarray, before: Update, rest: np.ndarray, error: BaseException
+    ) -> None:
+        """Put the rows and state of a step whose table write failed back as they were."""
+        try:
+            self._store(ids, before.rows[rest], {k: v[rest] for k, v in before.state.items()})
+        except BaseException as again:
+            self._broken = (
+                f"an optimizer step's table write failed ({error}) and could not be undone ({again})"
+            )
 
     def unpin(self, update: Update) -> None:
         """Release the slots of a step that failed between :meth:`gather` and :meth:`scatter`."""
@@ -255,6 +329,7 @@ class RowCache:
 
         Runs only once the cache is full (before that nothing is evicted).
         """
+        self._check()
         wanted = 2 * self.last_admitted
         if wanted == 0 or (self.shared.slot_id < 0).sum() >= wanted:
             return 0
@@ -274,13 +349,47 @@ class RowCache:
 
     def flush(self) -> int:
         """Write every dirty row (and its state) to the table; returns how many."""
+        self._check()
         slots = np.flatnonzero(self.dirty)
         self._write_back(slots)
         return len(slots)
 
+    def reset(self) -> None:
+        """Empty the cache without writing anything back (the table was replaced under it): every
+        lookup in flight is re-read at hand-off, since every row counts as changed now."""
+        with self._guard("emptying the cache"):
+            self.shared.clear(np.flatnonzero(self.shared.slot_id >= 0))
+            self.policy.forget(np.arange(self.shared.cache_rows))
+            self.dirty[:] = self.state_loaded[:] = self.pinned[:] = False
+            self.clock += 1
+            self.last_updated[:] = self.clock
+
+    @property
+    def broken(self) -> str | None:
+        """What was interrupted, if the cache can no longer be trusted."""
+        return self._broken
+
     # ----------------------------------------------------------------- internals
+    @contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        """Mark the cache broken if the block does not run to its end (an exception, a signal)."""
+        self._check()
+        try:
+            yield
+        except BaseException:
+            self._broken = f"{what} was interrupted"
+            raise
+
+    def _check(self) -> None:
+        if self._broken is not None:
+            raise CacheBrokenError(
+                f"the embedding cache cannot be trusted ({self._broken}); the table on disk is "
+                "still at its last checkpoint: close this pipe and make a new one"
+            )
+
     def _evict(self, slots: np.ndarray) -> None:
         self._write_back(slots[self.dirty[slots]])  # invariant 3: before the slot is released
+        self.state_loaded[slots] = False
         self.shared.clear(slots)
         self.counts["evictions"] += len(slots)
 

@@ -3,7 +3,9 @@
 ``PipeLoader`` wraps the user's dataset (checking each sample's ids where its index is known),
 builds a ``torch.utils.data.DataLoader`` whose ``collate_fn`` is the worker-side
 :class:`~embedpipe.worker.Lookup`, and turns each :class:`~embedpipe.worker.LookedUp` into an
-:class:`~embedpipe.batch.EmbeddedBatch` in the main process (``EmbeddingPipe._hand_off``).
+:class:`~embedpipe.batch.EmbeddedBatch` in the main process (``Owner.hand_off``). The loader
+holds the pipe (a loop over it keeps the pipe alive) and asks the owner for two things only:
+``before_lookup`` and ``hand_off``.
 Everything the DataLoader offers (workers, prefetching, persistent workers, pinned memory, the
 start method) works as usual, because this is a DataLoader.
 """
@@ -53,23 +55,24 @@ class PipeLoader:
         ring_rows: int | None,
         **dataloader_kwargs: Any,
     ) -> None:
-        table = pipe.table
+        owner = pipe._owner
+        table = owner.table
         if isinstance(dataset, IterableDataset):
             checked: Dataset = CheckedIterable(dataset, ids_key, table.num_rows)
         else:
             checked = CheckedDataset(dataset, ids_key, table.num_rows)
         self.ring = None
-        if num_workers > 0:
+        if num_workers > 0 and owner.workers_read_shared:
             depth = (dataloader_kwargs.get("prefetch_factor") or 2) + 1
             rows = ring_rows or min(table.num_rows, DEFAULT_RING_ROWS)
-            self.ring = BatchRing(
-                num_workers, depth, rows, table.dim, pipe.shared.tensors["rows"].dtype
-            )
+            self.ring = BatchRing(num_workers, depth, rows, table.dim, table.dtype)
         if collate_fn is None:  # as the DataLoader: no batching, no stacking
             unbatched = batch_size is None and "batch_sampler" not in dataloader_kwargs
             collate_fn = default_convert if unbatched else default_collate
-        lookup = Lookup(collate_fn, ids_key, table, pipe.shared, self.ring)
-        self.pipe = pipe
+        shared = owner.shared if owner.workers_read_shared else None
+        lookup = Lookup(collate_fn, ids_key, table, shared, self.ring)
+        self.pipe = pipe  # kept alive while the loader is
+        self.owner = owner
         # The DataLoader pins the fields; the rows are made at hand-off, so pin them there.
         self._pin = bool(dataloader_kwargs.get("pin_memory")) and torch.cuda.is_available()
         self.dataloader = DataLoader(
@@ -83,26 +86,21 @@ class PipeLoader:
 
     def __iter__(self) -> Iterator[EmbeddedBatch]:
         for item in self._lookups():
-            if item.slot >= 0:
+            if item.slot >= 0 and self.ring is not None:
                 rows = self.ring.read(item.slot, item.tag, len(item.unique_ids))
             else:
                 rows = item.rows
-            yield self.pipe._hand_off(item, rows, self._pin)
+            yield self.owner.hand_off(item, rows, self._pin)
 
     def _lookups(self) -> Iterator[LookedUp]:
         """The DataLoader's output. Without workers the lookup runs in this thread at ``next()``:
-        in exact mode, let the writeback finish first so that it reads current rows."""
-        writeback = self.pipe.writeback
-        wait = (
-            self.dataloader.num_workers == 0
-            and writeback is not None
-            and self.pipe.consistency == "exact"
-        )
+        the owner may need the writeback to finish first (exact mode)."""
+        inline = self.dataloader.num_workers == 0
         iterator = iter(self.dataloader)
         try:
             while True:
-                if wait:
-                    writeback.wait()
+                if inline:
+                    self.owner.before_lookup()
                 try:
                     item = next(iterator)
                 except StopIteration:

@@ -1,34 +1,37 @@
-"""EmbeddingPipe: owns the table, the shared cache and the writeback; builds loaders.
+"""EmbeddingPipe: the user's handle on an offloaded embedding table.
 
-The pipe lives in the training process, the owner (invariant 1). Three kinds of code touch it:
+The pipe checks its options, claims the table (one owner per table: a second pipe on the same
+``Table`` object, ``table.close()`` or ``table.write()`` under a live pipe raise, naming it), and
+hands everything else to its :class:`~embedpipe.owner.Owner`, which runs in the training process.
 
-- DataLoader workers run :class:`~embedpipe.worker.Lookup` against its shared arrays, read-only;
-- the training loop runs :meth:`EmbeddingPipe._hand_off` for each batch (through the loader)
-  and the gradient hook :meth:`EmbeddingPipe._on_grad` during backward;
-- the writeback thread runs :meth:`EmbeddingPipe._apply`.
-
-The hand-off and the writeback thread both change the cache; one lock serialises them.
-How exact and bounded consistency follow from the hand-off is in ``docs/consistency.md``.
+NOTE [ A pipe that is never closed ]
+The writeback thread holds the owner, and nothing in the owner points back at this handle, so a
+pipe the user drops (a re-run notebook cell, a function that returns without ``close()``) is
+collected like any object. When it is, a ``weakref.finalize`` closes the owner, as an unclosed
+file flushes: the applied steps and the cached rows are committed as a checkpoint and the table
+is released, with a ``ResourceWarning``. The same finalizer runs at interpreter exit for a pipe
+still alive then (its atexit hook is registered after zarr's, so it runs first); the commit uses
+plain file calls, not zarr's event loop.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import warnings
+import weakref
 from typing import Any
 
 import numpy as np
-import torch
 from torch.utils.data import Dataset
 
-from .batch import EmbeddedBatch
-from .cache import RowCache, SharedRows, Update
-from .errors import NonFiniteGradientError
+from .checkpoints import Checkpoint
+from .errors import InvalidRowsError, TableExistsError
 from .optim import RowOptimizer
+from .owner import Owner
 from .policy import make_policy
 from .table import Table
-from .worker import LookedUp
-from .writeback import Writeback, WritebackError
 
 CONSISTENCY = ("exact", "bounded")
 
@@ -58,6 +61,8 @@ class EmbeddingPipe:
         Batches whose gradients are summed into one optimizer step (see docs/training.md).
     check_finite:
         Raise :class:`~embedpipe.errors.NonFiniteGradientError` on a NaN/inf gradient (default).
+    keep:
+        Checkpoints the table keeps (default: the table's setting, 3 for a new table).
     """
 
     def __init__(
@@ -72,53 +77,52 @@ class EmbeddingPipe:
         padding_idx: int | None = None,
         grad_accumulation: int = 1,
         check_finite: bool = True,
+        keep: int | None = None,
     ) -> None:
-        _check_options(cache_rows, consistency, max_staleness, grad_accumulation)
-        self._owns_table = not isinstance(table, Table)
-        if isinstance(table, Table):
-            if optimizer is not None and table.mode != "r+":
-                raise ValueError(
-                    f"the pipe updates {table.path}: open it with Table.open(path, mode='r+')"
-                )
-        else:
+        _check_options(cache_rows, consistency, max_staleness, grad_accumulation, keep)
+        owns_table = not isinstance(table, Table)
+        if owns_table:
             table = Table.open(table, "r+" if optimizer is not None else "r")
+        elif optimizer is not None and table.mode != "r+":
+            raise ValueError(
+                f"the pipe updates {table.path}: open it with Table.open(path, mode='r+')"
+            )
+        try:
+            if padding_idx is not None and not 0 <= padding_idx < table.num_rows:
+                raise ValueError(
+                    f"padding_idx must be in [0, {table.num_rows}), got {padding_idx}"
+                )
+            if optimizer is not None:
+                table._claim(_describe_creator())
+            try:
+                if optimizer is not None:
+                    _prepare_table(table, optimizer, keep)
+                cache_rows = min(int(cache_rows), table.num_rows)
+                options = dict(
+                    consistency=consistency,
+                    max_staleness=max_staleness,
+                    padding_idx=padding_idx,
+                    grad_accumulation=grad_accumulation,
+                    check_finite=check_finite,
+                )
+                self._owner = Owner(
+                    table,
+                    make_policy(policy, cache_rows, table.num_rows),
+                    optimizer,
+                    options,
+                    owns_table=owns_table,
+                )
+            except BaseException:
+                table._release_claim()
+                raise
+        except BaseException:
+            if owns_table:
+                table.close()
+            raise
         self.table = table
-        if padding_idx is not None and not 0 <= padding_idx < table.num_rows:
-            raise ValueError(f"padding_idx must be in [0, {table.num_rows}), got {padding_idx}")
         self.optimizer = optimizer
         self.consistency = consistency
-        self.max_staleness = max_staleness or 0
-        self.padding_idx = padding_idx
-        self.grad_accumulation = grad_accumulation
-        self.check_finite = check_finite
-
-        state = tuple(optimizer.state_init()) if optimizer is not None else ()
-        if optimizer is not None:
-            for name, fill in optimizer.state_init().items():
-                if name not in table.state_names:
-                    table.add_state(name, fill)
-            table.update_metadata(optimizer=optimizer.config())
-        cache_rows = min(int(cache_rows), table.num_rows)
-        dtype = getattr(torch, table.dtype.name)
-        self.shared = SharedRows(table.num_rows, cache_rows, table.dim, dtype)
-        self.cache = RowCache(
-            self.shared,
-            make_policy(policy, cache_rows, table.num_rows),
-            fetch=lambda ids, name: table.read(ids, name),
-            store=lambda ids, rows, name: table.write(ids, rows, name),
-            state=state,
-            step=table.step,
-        )
-        self._lock = threading.Lock()
-        self._start_step = table.step
-        self.writeback = (
-            Writeback(self._apply, idle=self._clean_ahead, step=table.step)
-            if optimizer is not None
-            else None
-        )
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # gradients being accumulated
-        self._counts = dict.fromkeys(("batches", "hits", "misses", "refreshed", "ring_overruns"), 0)
-        self._closed = False
+        self._finalizer = weakref.finalize(self, _close_unclosed, self._owner, repr(self))
 
     # ------------------------------------------------------------------------- public
     def loader(
@@ -143,7 +147,7 @@ class EmbeddingPipe:
         """
         from .loader import PipeLoader
 
-        self._check_open()
+        self._owner.check_open()
         return PipeLoader(
             self,
             dataset,
@@ -158,212 +162,138 @@ class EmbeddingPipe:
 
     def stats(self) -> dict[str, int]:
         """Counters since the pipe opened: hits, misses, rows_read, rows_written, evictions, ..."""
-        cache = self.cache.counts
-        return {
-            **self._counts,
-            "rows_read": self._counts["misses"] + cache["rows_read"],
-            "rows_written": cache["rows_written"],
-            "evictions": cache["evictions"],
-            "cleaned_ahead": cache["cleaned_ahead"],
-            "writeback_queue": self.writeback.pending if self.writeback else 0,
-            "steps": (self.writeback.applied if self.writeback else self._start_step)
-            - self._start_step,
-            "cached_rows": int((self.shared.slot_id >= 0).sum()),
-            "dirty_rows": int(self.cache.dirty.sum()),
-        }
+        return self._owner.stats()
 
     def flush(self) -> None:
-        """Apply every queued step and write every updated row and its state to the table.
+        """Apply every queued step and write every updated row and its state to the table's
+        arrays (not a checkpoint: a crash still reopens at the last one).
 
         Gradients of an unfinished ``grad_accumulation`` group stay pending (as ``.grad`` does
         in torch across a checkpoint); ``close()`` applies them as a last step.
         """
-        self._check_open()
-        if self.writeback is None:
-            return
-        self.writeback.wait()
-        self._write_dirty()
+        self._owner.flush()
 
-    def _write_dirty(self) -> None:
-        """Every updated row and its state to the table, then the step they correspond to."""
-        with self._lock:
-            self.cache.flush()
-            self.table.update_metadata(step=self.writeback.applied)
+    def checkpoint(self) -> Checkpoint:
+        """Apply every queued step and commit the table, its optimizer state and the step as a
+        checkpoint: a crash from now on reopens here. Returns the checkpoint (``seq``, ``step``,
+        ``path``). The table keeps the last ``keep`` checkpoints (``Table.open(path, step=N)``
+        opens an older one). A partly accumulated gradient stays pending, as in :meth:`flush`.
+        """
+        return self._owner.checkpoint()
 
-    def checkpoint(self) -> None:
-        """Make the table on disk hold every update so far (``flush`` plus the step in metadata)."""
-        self.flush()
+    def save_checkpoint(self, folder: str | os.PathLike[str]) -> Checkpoint:
+        """Commit a checkpoint and copy it into ``folder`` (which must not exist) as a table of
+        its own: weights, optimizer state and step, ready to be moved to another machine.
+
+        Files are hard-linked where ``folder`` is on the table's filesystem (no copy: chunks in a
+        checkpoint never change), copied elsewhere; ``folder`` appears complete or not at all.
+        """
+        folder = os.path.abspath(os.path.expanduser(folder))
+        if os.path.exists(folder):
+            raise TableExistsError(f"{folder} already exists; save the checkpoint into a new folder")
+        return self._owner.save(folder)
+
+    def load_checkpoint(self, folder: str | os.PathLike[str]) -> None:
+        """Make this pipe's table the snapshot in ``folder`` (made by :meth:`save_checkpoint`, or
+        any table of the same shape), at that snapshot's step.
+
+        The cache is emptied, gradients not yet stepped are dropped, and the snapshot becomes
+        the table's newest checkpoint. Call it before training resumes.
+        """
+        if self.optimizer is None:
+            raise ValueError("load_checkpoint needs a pipe that trains the table (an optimizer)")
+        source = Table.open(folder, "r")
+        _check_compatible(self.table, source)
+        self._owner.load(source)
 
     def close(self) -> None:
-        """Apply what is queued, write every updated row to the table, stop the writeback thread
-        and release the table (if the pipe opened it).
+        """Apply what is queued, write every updated row, commit a checkpoint, stop the writeback
+        thread and release the table (closed too, if the pipe opened it).
 
-        If the writeback thread failed, the steps before the failure are still written (the
-        table's ``step`` says which) and the error is raised after that.
+        If the writeback thread failed, the steps before the failure are still committed (the
+        table's ``step`` says which) and the error is raised after that. If writing fails (a
+        full disk), the error is raised and ``close()`` can be called again later.
         """
-        self._close(raise_errors=True)
-
-    def _close(self, raise_errors: bool) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        error = None
         try:
-            if self.writeback is not None:
-                try:
-                    if self._pending:
-                        self._submit()
-                except WritebackError as e:
-                    error, self._pending = e, []
-                try:
-                    self.writeback.close()  # applies everything queued first
-                except WritebackError as e:
-                    error = e
-                self._write_dirty()
+            self._owner.close()
         finally:
-            if self._owns_table:
-                self.table.close()
-        if error is not None and raise_errors:
-            raise error
+            if self._owner.closed:
+                self._finalizer.detach()
 
     def __enter__(self) -> EmbeddingPipe:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        self._close(raise_errors=exc_type is None)  # don't hide the error already on its way
-
-    # ------------------------------------------------------------------------- training loop
-    def _hand_off(
-        self, item: LookedUp, rows: np.ndarray | None, pin: bool = False
-    ) -> EmbeddedBatch:
-        """Turn a worker's lookup into the batch the loop sees (main thread).
-
-        ``rows`` is the batch's copy of its unique rows, or None when its ring slot was
-        overwritten; ``pin`` puts them in pinned memory (the loader's ``pin_memory``). Waits for
-        the writeback as the consistency mode requires, re-reads the rows that changed since the
-        lookup began, admits the misses into the cache.
-        """
-        self._check_open()
-        ids = item.unique_ids
-        if self.writeback is not None:
-            self.writeback.wait(0 if self.consistency == "exact" else self.max_staleness)
-        with self._lock:
-            if rows is None:
-                self._counts["ring_overruns"] += 1
-                rows = self.cache.current(ids)
-            else:
-                stale = np.flatnonzero(self.cache.last_updated[ids] > item.lookup_step)
-                if len(stale):
-                    rows[stale] = self.cache.current(ids[stale])
-                    self._counts["refreshed"] += len(stale)
-            self.cache.admit(ids, rows)
-        self._counts["batches"] += 1
-        self._counts["hits"] += item.hits
-        self._counts["misses"] += item.misses
-        sink = self._on_grad if self.optimizer is not None else None
-        return EmbeddedBatch(
-            item.fields,
-            torch.from_numpy(ids),
-            torch.from_numpy(item.inverse),
-            torch.from_numpy(rows).pin_memory() if pin else torch.from_numpy(rows),
-            sink,
-        )
-
-    def _on_grad(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
-        """The gradient hook: check, move to the CPU, and queue (runs inside backward)."""
-        if self._closed:
-            raise RuntimeError(
-                "this EmbeddingPipe is closed: the embedding gradient of this batch cannot be applied"
-            )
-        if self.check_finite:
-            bad = ~torch.isfinite(grad).all(dim=1)
-            if self.padding_idx is not None:  # never applied, as in nn.Embedding
-                bad &= (unique_ids != self.padding_idx).to(bad.device)
-            if bool(bad.any()):
-                where = bad.nonzero()[:, 0].cpu()
-                ids = unique_ids[where].tolist()
-                value = grad[where[0]][~torch.isfinite(grad[where[0]])][0].item()
-                raise NonFiniteGradientError(
-                    f"non-finite embedding gradient ({value}) for id {ids[0]}"
-                    + (f" and {len(ids) - 1} more ids" if len(ids) > 1 else "")
-                    + f" in step {self.writeback.submitted + 1}; nothing of this step was applied. "
-                    "Lower the learning rate, clip gradients or check the loss; "
-                    "check_finite=False skips this check"
-                )
-        self._pending.append(
-            (unique_ids, grad.detach().to("cpu", self.shared.tensors["rows"].dtype))
-        )
-        if len(self._pending) >= self.grad_accumulation:
-            self._submit()
-
-    def _submit(self) -> None:
-        """Sum the pending gradients per id and queue them as one optimizer step."""
-        if len(self._pending) == 1:
-            ids, grad = self._pending[0]
-        else:  # the same order of sums as .grad accumulation over the batches
-            ids, inverse = torch.unique(
-                torch.cat([i for i, _ in self._pending]), return_inverse=True
-            )
-            grad = torch.zeros(len(ids), self.table.dim, dtype=self._pending[0][1].dtype)
-            grad.index_add_(0, inverse, torch.cat([g for _, g in self._pending]))
-        self._pending = []
-        if self.padding_idx is not None:
-            keep = ids != self.padding_idx
-            ids, grad = ids[keep], grad[keep]
-        self.writeback.submit(ids.numpy(), grad)
-
-    # ------------------------------------------------------------------------- writeback thread
-    def _apply(self, ids: np.ndarray, grad: torch.Tensor, step: int) -> None:
-        """One optimizer step; the update itself runs outside the lock, so hand-offs go on."""
-        with self._lock:
-            work = self.cache.gather(ids)
         try:
-            _update_in_float32(self.optimizer, work, grad, step)
-            with self._lock:
-                self.cache.scatter(work, step)
-                self.shared.clock[0] = step  # published last: a lookup that saw it sees the rows
-        except BaseException:
-            with self._lock:
-                self.cache.unpin(work)
-            raise
-
-    def _clean_ahead(self) -> None:
-        """Writeback thread, queue empty: write cold dirty rows while the loop is elsewhere."""
-        if self.shared.cache_rows:
-            with self._lock:
-                self.cache.clean_ahead()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this EmbeddingPipe is closed; make a new one")
+            self._owner.close(raise_errors=exc_type is None)  # don't hide the error on its way
+        finally:
+            if self._owner.closed:
+                self._finalizer.detach()
 
     def __repr__(self) -> str:
+        owner = self._owner
         return (
-            f"EmbeddingPipe({self.table.path!r}, cache_rows={self.shared.cache_rows}, "
+            f"EmbeddingPipe({self.table.path!r}, cache_rows={owner.shared.cache_rows}, "
             f"optimizer={self.optimizer}, consistency={self.consistency!r})"
         )
 
 
-def _update_in_float32(
-    optimizer: RowOptimizer, work: Update, grad: torch.Tensor, step: int
-) -> None:
-    """Run the optimizer on ``work`` in place; float16 rows are updated in float32 and rounded
-    back, since an ``eps`` of 1e-8 and a squared gradient both vanish in float16."""
-    rows = torch.from_numpy(work.rows)
-    state = {name: torch.from_numpy(values) for name, values in work.state.items()}
-    if rows.dtype in (torch.float32, torch.float64):
-        optimizer.update(rows, grad, state, step)
+def _close_unclosed(owner: Owner, description: str) -> None:
+    """The finalizer of a pipe dropped (or alive at exit) without close(); see the NOTE."""
+    if owner.closed:
         return
-    wide = {name: values.float() for name, values in state.items()}
-    wide_rows = rows.float()
-    optimizer.update(wide_rows, grad.float(), wide, step)
-    rows.copy_(wide_rows)
-    for name, values in state.items():
-        values.copy_(wide[name])
+    if owner.writeback is not None and threading.current_thread() is owner.writeback._thread:
+        # collected by a garbage collection that ran on the writeback thread: it cannot join
+        # itself, so close from a thread of its own
+        threading.Thread(target=_close_unclosed, args=(owner, description)).start()
+        return
+    warnings.warn(
+        f"{description} was not closed; closing it now (applied steps are committed). "
+        "Use `with EmbeddingPipe(...)` or call close()",
+        ResourceWarning,
+        stacklevel=2,
+    )
+    try:
+        owner.close()
+    except Exception as e:  # nowhere to raise to: say it
+        warnings.warn(f"closing {description} failed: {e}", RuntimeWarning, stacklevel=2)
+
+
+def _describe_creator() -> str:
+    """ "EmbeddingPipe made at file:line (pid P)", the first frame outside embedpipe."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame = frame.f_back
+    where = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
+    return f"an EmbeddingPipe made at {where} (pid {os.getpid()})"
+
+
+def _prepare_table(table: Table, optimizer: RowOptimizer, keep: int | None) -> None:
+    """The optimizer's state arrays, its configuration and ``keep`` in the table's metadata."""
+    for name, fill in optimizer.state_init().items():
+        if name not in table.state_names:
+            table._add_state(name, fill)
+    values: dict[str, Any] = {"optimizer": optimizer.config()}
+    if keep is not None:
+        values["keep"] = keep
+    if any(table.metadata.get(k) != v for k, v in values.items()):
+        table._update_metadata(**values)
+
+
+def _check_compatible(table: Table, source: Table) -> None:
+    mine = (table.num_rows, table.dim, table.dtype.name, table.chunk_rows)
+    theirs = (source.num_rows, source.dim, source.dtype.name, source.chunk_rows)
+    if mine != theirs:
+        raise InvalidRowsError(
+            f"the snapshot {source.path} holds a table of {theirs[0]} x {theirs[1]} {theirs[2]} "
+            f"rows in chunks of {theirs[3]}; this pipe's table is {mine[0]} x {mine[1]} {mine[2]} "
+            f"in chunks of {mine[3]}: load a snapshot of this table"
+        )
 
 
 def _check_options(
-    cache_rows: Any, consistency: str, max_staleness: Any, grad_accumulation: Any
+    cache_rows: Any, consistency: str, max_staleness: Any, grad_accumulation: Any, keep: Any
 ) -> None:
     if (
         not isinstance(cache_rows, (int, np.integer))
@@ -383,3 +313,5 @@ def _check_options(
         raise ValueError(f"max_staleness={max_staleness!r} needs consistency='bounded'")
     if not isinstance(grad_accumulation, int) or grad_accumulation < 1:
         raise ValueError(f"grad_accumulation must be an integer >= 1, got {grad_accumulation!r}")
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+        raise ValueError(f"keep must be an integer >= 1 (checkpoints kept), got {keep!r}")

@@ -29,6 +29,7 @@ class LRU:
     name = "lru"
 
     def __init__(self, cache_rows: int, num_rows: int) -> None:
+        self.cache_rows = cache_rows
         self.clock = 0
         self.last_used = np.full(cache_rows, -1, dtype=np.int64)  # -1: empty
 

@@ -58,7 +58,10 @@ class LookedUp:
 class Lookup:
     """The collate function the DataLoader runs: the user's collate, then the embedding lookup.
 
-    Pickles as the table's path and the shared arrays; each process opens its own table handle.
+    Pickles as the table's path and the shared arrays; each process opens its own read-only
+    handle on the arrays the owner writes. ``cache`` None: this CPU cannot order lock-free reads
+    of shared memory (``ordering.py``), so the lookup stops at the unique ids and the owner reads
+    the rows at hand-off.
     """
 
     def __init__(
@@ -66,12 +69,13 @@ class Lookup:
         collate: Callable[[list[Any]], Any],
         ids_key: str,
         table: Table,
-        cache: SharedRows,
+        cache: SharedRows | None,
         ring: BatchRing | None,
     ) -> None:
         self.collate = collate
         self.ids_key = ids_key
         self.table_path = table.path
+        self.table_root = table.root
         self.num_rows = table.num_rows
         self.cache = cache
         self.ring = ring
@@ -83,7 +87,7 @@ class Lookup:
 
     def table(self) -> Table:
         if self._table is None or self._pid != os.getpid():  # a new process: its own handle
-            self._table = Table.open(self.table_path, "r")
+            self._table = Table._reader(self.table_path, self.table_root)
             self._pid = os.getpid()
         return self._table
 
@@ -96,8 +100,10 @@ class Lookup:
                 "pass ids_key=... or a collate_fn that returns a dict"
             )
         ids = as_ids(fields[self.ids_key], self.num_rows, what="batch ids")
-        lookup_step = self.cache.applied_step  # before any row is read (invariant 4)
         unique_ids, inverse = np.unique(ids, return_inverse=True)
+        if self.cache is None:  # the owner reads the rows (lookup_step -1 says so)
+            return LookedUp(fields, unique_ids, inverse.reshape(ids.shape), -1, 0, None, -1, 0, 0)
+        lookup_step = self.cache.applied_step  # before any row is read (invariant 4)
         rows, hit = self.cache.read(unique_ids)
         miss = np.flatnonzero(~hit)
         if len(miss):

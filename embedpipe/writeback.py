@@ -8,28 +8,40 @@ out a batch: for every step in exact mode, for all but ``max_staleness`` steps i
 
 NOTE [ Writeback errors and shutdown ]
 An exception in the thread is kept, with the step it happened at, and raised in the training
-loop by the next :meth:`submit`, :meth:`wait` or :meth:`close`; the thread stops taking work.
-Every blocking call has a timeout and looks at the stop event and the thread's health, so no call
-waits forever on a thread that is gone.
+loop by the next :meth:`submit`, :meth:`wait` or :meth:`close`; the thread stops taking work. An
+``OSError`` (a full disk) comes back as :class:`~embedpipe.errors.TableWriteError`, an
+``OSError`` too. Every blocking call has a timeout and looks at the thread's health, so no call
+waits forever on a thread that is gone, and :meth:`close` gives up on a thread that has made no
+progress for ``stall_seconds`` (a hung disk) instead of joining it forever.
+
+A signal (Ctrl-C in a notebook during backward) can land between any two bytecodes of
+:meth:`submit`. The count goes up first and the step is queued after, by one call of
+``SimpleQueue.put`` (C code: done or not done); an interruption in between leaves a step counted
+that never reaches the queue. :meth:`wait` notices, once the thread has found the queue empty
+after the wait began, and takes the count back, with a warning, instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .errors import EmbedpipeError
+from .errors import TableWriteError, WritebackError
 
 POLL_SECONDS = 0.05
+#: How long the idle thread blocks on the queue before it looks again (and counts an idle poll).
+IDLE_SECONDS = 0.2
+#: close() gives up on a thread that has applied nothing for this long.
+STALL_SECONDS = 120.0
 
-
-class WritebackError(EmbedpipeError, RuntimeError):
-    """The writeback thread failed; the message carries its traceback."""
+__all__ = ["GradBatch", "Stop", "Writeback", "WritebackError"]
 
 
 @dataclass(frozen=True)
@@ -60,10 +72,12 @@ class Writeback:
         else is queued (the pipe writes cold dirty rows back ahead of need there)."""
         self._apply = apply
         self._idle = idle
-        self._queue: queue.Queue[GradBatch | Stop] = queue.Queue()
+        self._queue: queue.SimpleQueue[GradBatch | Stop] = queue.SimpleQueue()
         self._applied = threading.Condition()
         self.submitted = step  # steps handed to the queue (written by the training loop only)
         self.applied = step  # steps applied (written by the thread only)
+        self.stall_seconds = STALL_SECONDS
+        self._idle_polls = 0  # times the thread found the queue empty for IDLE_SECONDS
         self._error: tuple[int, BaseException] | None = None
         self._thread = threading.Thread(target=self._run, name="embedpipe-writeback", daemon=True)
         self._thread.start()
@@ -74,7 +88,7 @@ class Writeback:
         return self.submitted - self.applied
 
     def submit(self, ids: np.ndarray, grad: torch.Tensor) -> int:
-        """Queue one optimizer step; returns its step number."""
+        """Queue one optimizer step; returns its step number (see the NOTE on signals)."""
         self.raise_error()
         self.submitted += 1
         self._queue.put(GradBatch(ids, grad, self.submitted))
@@ -85,10 +99,14 @@ class Writeback:
         target = self.submitted - behind
         waited = 0.0
         with self._applied:
+            polls = self._idle_polls
             while self.applied < target:
                 self.raise_error()
                 if not self._thread.is_alive():
                     raise WritebackError("the writeback thread has stopped; the pipe was closed")
+                if self._idle_polls > polls + 1 and self._queue.empty():
+                    self._forget_unqueued()
+                    return
                 if timeout is not None and waited >= timeout:
                     raise TimeoutError(
                         f"writeback still {self.applied}/{target} steps after {timeout}s"
@@ -97,26 +115,66 @@ class Writeback:
                 waited += POLL_SECONDS
         self.raise_error()
 
+    def _forget_unqueued(self) -> None:
+        """Every queued step is applied, yet the count says more were submitted: a submit was
+        interrupted before its put (see the NOTE). Those steps were never queued."""
+        lost = self.submitted - self.applied
+        self.submitted = self.applied
+        warnings.warn(
+            f"{lost} embedding update(s) were interrupted before they were queued (a signal during "
+            "backward?) and are not applied; training goes on from step "
+            f"{self.applied}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    def restart_at(self, step: int) -> None:
+        """Number the steps from ``step`` on (the table was replaced); the queue must be empty."""
+        self.wait()
+        self.submitted = self.applied = step
+
     def raise_error(self) -> None:
         if self._error is not None:
             step, e = self._error
+            if isinstance(e, TableWriteError):
+                raise TableWriteError(e.errno, e.strerror) from e
             raise WritebackError(
                 f"the writeback thread failed at step {step}: {type(e).__name__}: {e}"
             ) from e
 
     def close(self) -> None:
-        """Apply everything queued, stop the thread, and raise its error if it had one."""
+        """Apply everything queued, stop the thread, and raise its error if it had one.
+
+        Raises :class:`WritebackError` if the thread applies nothing for ``stall_seconds``.
+        """
         if self._thread.is_alive():
             self._queue.put(Stop())
-            self._thread.join()
+            last, since = self.applied, time.monotonic()
+            while self._thread.is_alive():
+                self._thread.join(POLL_SECONDS)
+                if self.applied != last:
+                    last, since = self.applied, time.monotonic()
+                elif time.monotonic() - since > self.stall_seconds:
+                    raise WritebackError(
+                        f"the writeback thread applied nothing for {self.stall_seconds:.0f}s "
+                        f"(at step {self.applied + 1} of {self.submitted}): a table write hangs; "
+                        "the table on disk stays at its last checkpoint"
+                    )
         self.raise_error()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def _run(self) -> None:
         while True:
             try:
-                item = self._queue.get(timeout=POLL_SECONDS * 20)
+                item = self._queue.get(timeout=IDLE_SECONDS)
             except queue.Empty:
-                continue  # a daemon thread: it dies with the process if nobody closes it
+                with self._applied:  # a daemon thread: it dies with the process if never closed
+                    self._idle_polls += 1
+                    self._applied.notify_all()
+                continue
             if isinstance(item, Stop):
                 return
             if self._error is not None:

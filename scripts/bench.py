@@ -277,7 +277,7 @@ def rows_read_embedpipe(sets: list[np.ndarray], vocab: int, cache_rows: int, pol
     With ``num_workers=0`` each lookup happens after the previous batch's hand-off, as here.
     Rows have width 1 (the policy never looks at them) and the table is never touched.
     """
-    shared = SharedRows(vocab, cache_rows, 1, torch.float32)
+    shared = SharedRows(vocab, cache_rows, 1, np.float32)
     cache = RowCache(
         shared,
         make_policy(policy, cache_rows, vocab),

@@ -26,7 +26,7 @@ def make_cache(cache_rows=4):
         writes.append((name, ids.copy()))
         table[name][ids] = rows
 
-    shared = SharedRows(V, cache_rows, D, torch.float32)
+    shared = SharedRows(V, cache_rows, D, np.float32)
     return RowCache(shared, LRU(cache_rows, V), fetch, store), table, writes
 
 
@@ -56,7 +56,7 @@ def test_dirty_rows_are_written_back_before_their_slot_is_reused():
     cache.admit(np.array([1, 2]), table["weight"][[1, 2]])
     work = cache.gather(np.array([1]))
     work.rows += 100
-    cache.scatter(work, step=1)
+    cache.scatter(work, work.copy())
     assert not writes and table["weight"][1, 0] == 8  # still only in the cache
     cache.admit(np.array([4]), table["weight"][[4]])  # evicts the LRU row: 1, dirty
     assert writes == [("weight", np.array([1]))]
@@ -72,7 +72,7 @@ def test_rows_being_updated_are_pinned_and_late_admissions_get_the_update():
     cache.admit(np.array([5, 30]), table["weight"][[5, 30]])  # nothing to evict: 1 and 2 pinned
     assert cache.shared.slot_of[[5, 30]].tolist() == [-1, -1]
     work.rows += 1
-    cache.scatter(work, step=1)
+    cache.scatter(work, work.copy())
     assert table["weight"][30, 0] == 30 * D + 1  # the uncached row went to the table
     cache.admit(np.array([30]), table["weight"][[30]])
     work = cache.gather(np.array([30]))
@@ -105,7 +105,7 @@ def _churn(shared: SharedRows, rounds: int) -> None:
 @pytest.mark.timeout(120)
 def test_concurrent_reads_never_return_a_torn_or_wrong_row():
     # Wide rows, so that copies take long enough to overlap the owner's writes.
-    shared = SharedRows(V, 8, WIDE, torch.float32)
+    shared = SharedRows(V, 8, WIDE, np.float32)
     owner = mp.get_context("fork").Process(target=_churn, args=(shared, 20000))
     owner.start()
     hits = 0

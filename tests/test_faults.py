@@ -190,9 +190,9 @@ def test_close_after_a_writeback_failure_with_a_partial_group_keeps_the_applied_
     )
     for batch in pipe.loader(samples(10), batch_size=2):  # 5 batches: steps 1, 2 and a half
         (-batch["inputs_embeds"]).sum().backward()
-    assert pipe._pending
+    assert pipe._owner.pending
     with pytest.raises(WritebackError):
-        pipe.writeback.wait()  # the failure is known before close() submits the half group
+        pipe._owner.writeback.wait()  # the failure is known before close() submits the half group
     with pytest.raises(WritebackError, match="failed at step 2"):
         pipe.close()
     assert embedpipe.Table.open(path).step == 1  # step 1 written

@@ -71,7 +71,7 @@ def test_neither_owner_nor_workers_grow_with_the_table(tmp_path):
                 read_start = pipe.stats()["rows_read"]
         owner_end, workers_end = memory(loader)
         stats = pipe.stats()
-    ring = loader.ring.buffers.numel() * 4
+    ring = loader.ring.nbytes
     budget = (
         CACHE_ROWS * DIM * 4 + ring + 12 * ROWS + SLACK
     )  # 12 B/row: slot_of, last_updated, LFU uses

@@ -52,7 +52,7 @@ def test_a_hot_row_stays_cached_when_each_batch_brings_more_misses_than_slots(tm
             for _ in pipe.loader(data, batch_size=1):
                 pass
             read[policy] = pipe.stats()["rows_read"]
-            assert (pipe.shared.slot_of[30] >= 0) == (policy != "lru")
+            assert (pipe._owner.shared.slot_of[30] >= 0) == (policy != "lru")
     assert (
         read["lfu"] == read["auto"] == 2 * 15 + 2
     )  # 30 read twice: at first it ties with one-offs

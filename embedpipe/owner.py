@@ -1,0 +1,345 @@
+"""The owner: what the training process does for an :class:`~embedpipe.EmbeddingPipe`.
+
+The owner holds the table, the shared cache and the writeback thread (invariant 1: it is the only
+writer). Three kinds of code call it:
+
+- the loader, once per batch, in the training loop: :meth:`Owner.hand_off` (and
+  :meth:`Owner.before_lookup` when the lookup runs in the loop itself, ``num_workers=0``);
+- the gradient hook, during backward: :meth:`Owner.on_grad`;
+- the writeback thread: :meth:`Owner.apply` per step, :meth:`Owner.clean_ahead` when idle.
+
+The hand-off and the writeback thread both change the cache; ``self.lock`` serialises them.
+
+The owner keeps no reference to the user's ``EmbeddingPipe`` handle (the writeback thread holds
+the owner, so a reference back would keep a dropped pipe alive for good). The handle closes the
+owner when the user closes it, or when it is collected (``pipe.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import checkpoints, ordering
+from .batch import EmbeddedBatch
+from .cache import RowCache, SharedRows, Update
+from .checkpoints import Checkpoint
+from .errors import NonFiniteGradientError, TableWriteError, WritebackError
+from .optim import RowOptimizer
+from .policy import LRU
+from .table import Table
+from .worker import LookedUp
+from .writeback import Writeback
+
+
+class Owner:
+    """The owner side of a pipe; see the module docstring. Options are validated by the pipe."""
+
+    def __init__(
+        self,
+        table: Table,
+        policy: LRU,
+        optimizer: RowOptimizer | None,
+        options: dict[str, Any],
+        *,
+        owns_table: bool,
+    ) -> None:
+        self.table = table
+        self.optimizer = optimizer
+        self.consistency = options["consistency"]
+        self.max_staleness = options["max_staleness"] or 0
+        self.padding_idx = options["padding_idx"]
+        self.grad_accumulation = options["grad_accumulation"]
+        self.check_finite = options["check_finite"]
+        self.owns_table = owns_table
+        #: Workers read the shared cache and clock themselves, unless this CPU cannot order
+        #: those reads (``ordering.py``): then the hand-off copies every row.
+        self.workers_read_shared = ordering.MODE != "owner"
+        state = tuple(optimizer.state_init()) if optimizer is not None else ()
+        self.shared = SharedRows(table.num_rows, policy.cache_rows, table.dim, table.dtype)
+        self.cache = RowCache(self.shared, policy, self._fetch, self._store, state=state)
+        self.lock = threading.Lock()
+        self.start_step = table.step
+        self.writeback = (
+            Writeback(self.apply, idle=self.clean_ahead, step=table.step)
+            if optimizer is not None
+            else None
+        )
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # gradients being accumulated
+        self.counts = dict.fromkeys(("batches", "hits", "misses", "refreshed", "ring_overruns"), 0)
+        self.closed = False
+
+    # ------------------------------------------------------------------------- training loop
+    def before_lookup(self) -> None:
+        """Called before a lookup that runs in the training loop (``num_workers=0``): in exact
+        mode it must read rows after every submitted step is applied."""
+        if self.writeback is not None and self.consistency == "exact":
+            self.writeback.wait()
+
+    def hand_off(self, item: LookedUp, rows: np.ndarray | None, pin: bool = False) -> EmbeddedBatch:
+        """Turn a worker's lookup into the batch the loop sees (main thread).
+
+        ``rows`` is the batch's copy of its unique rows, or None when the owner must read them
+        itself (its ring slot was overwritten, or workers do not read shared memory on this CPU);
+        ``pin`` puts them in pinned memory. Waits for the writeback as the consistency mode
+        requires, re-reads the rows that changed since the lookup began, admits the misses.
+        """
+        self.check_open()
+        ids = item.unique_ids
+        if self.writeback is not None:
+            self.writeback.wait(0 if self.consistency == "exact" else self.max_staleness)
+        hits, misses = item.hits, item.misses
+        with self.lock:
+            if rows is None:
+                if item.lookup_step >= 0:
+                    self.counts["ring_overruns"] += 1
+                else:  # the owner does the lookup: count it here
+                    hits = int((self.shared.slot_of[ids] >= 0).sum())
+                    misses = len(ids) - hits
+                rows = self.cache.current(ids)
+            else:
+                stale = np.flatnonzero(self.cache.last_updated[ids] > item.lookup_step)
+                if len(stale):
+                    rows[stale] = self.cache.current(ids[stale])
+                    self.counts["refreshed"] += len(stale)
+            self.cache.admit(ids, rows)
+        self.counts["batches"] += 1
+        self.counts["hits"] += hits
+        self.counts["misses"] += misses
+        sink = self.on_grad if self.optimizer is not None else None
+        return EmbeddedBatch(
+            item.fields,
+            torch.from_numpy(ids),
+            torch.from_numpy(item.inverse),
+            torch.from_numpy(rows).pin_memory() if pin else torch.from_numpy(rows),
+            sink,
+        )
+
+    def on_grad(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """The gradient hook: check, move to the CPU, and queue (runs inside backward)."""
+        if self.closed:
+            raise RuntimeError(
+                "this EmbeddingPipe is closed: the embedding gradient of this batch cannot be applied"
+            )
+        if self.check_finite:
+            bad = ~torch.isfinite(grad).all(dim=1)
+            if self.padding_idx is not None:  # never applied, as in nn.Embedding
+                bad &= (unique_ids != self.padding_idx).to(bad.device)
+            if bool(bad.any()):
+                where = bad.nonzero()[:, 0].cpu()
+                ids = unique_ids[where].tolist()
+                value = grad[where[0]][~torch.isfinite(grad[where[0]])][0].item()
+                raise NonFiniteGradientError(
+                    f"non-finite embedding gradient ({value}) for id {ids[0]}"
+                    + (f" and {len(ids) - 1} more ids" if len(ids) > 1 else "")
+                    + f" in step {self.writeback.submitted + 1}; nothing of this step was applied. "
+                    "Lower the learning rate, clip gradients or check the loss; "
+                    "check_finite=False skips this check"
+                )
+        self.pending.append((unique_ids, grad.detach().to("cpu", getattr(torch, self.table.dtype.name))))
+        if len(self.pending) >= self.grad_accumulation:
+            self.submit()
+
+    def submit(self) -> None:
+        """Sum the pending gradients per id and queue them as one optimizer step."""
+        if len(self.pending) == 1:
+            ids, grad = self.pending[0]
+        else:  # the same order of sums as .grad accumulation over the batches
+            ids, inverse = torch.unique(
+                torch.cat([i for i, _ in self.pending]), return_inverse=True
+            )
+            grad = torch.zeros(len(ids), self.table.dim, dtype=self.pending[0][1].dtype)
+            grad.index_add_(0, inverse, torch.cat([g for _, g in self.pending]))
+        self.pending = []
+        if self.padding_idx is not None:
+            keep = ids != self.padding_idx
+            ids, grad = ids[keep], grad[keep]
+        self.writeback.submit(ids.numpy(), grad)
+
+    # ------------------------------------------------------------------------- writeback thread
+    def apply(self, ids: np.ndarray, grad: torch.Tensor, step: int) -> None:
+        """One optimizer step; the update itself runs outside the lock, so hand-offs go on."""
+        with self.lock:
+            work = self.cache.gather(ids)
+        try:
+            before = work.copy() if (work.slots < 0).any() else work  # for a failed table write
+            _update_in_float32(self.optimizer, work, grad, step)
+            with self.lock:
+                self._step_in_progress = step
+                tick = self.cache.scatter(work, before)
+                self.shared.publish(tick)  # last: a lookup that saw the tick sees the rows
+        except BaseException:
+            with self.lock:
+                self.cache.unpin(work)
+            raise
+        finally:
+            self._step_in_progress = None
+
+    def clean_ahead(self) -> None:
+        """Writeback thread, queue empty: write cold dirty rows while the loop is elsewhere."""
+        if self.shared.cache_rows:
+            with self.lock:
+                self.cache.clean_ahead()
+
+    # ------------------------------------------------------------------------- table I/O
+    _step_in_progress: int | None = None
+
+    def _fetch(self, ids: np.ndarray, name: str) -> np.ndarray:
+        return self.table._array(name).read(ids)
+
+    def _store(self, ids: np.ndarray, rows: np.ndarray, name: str) -> None:
+        try:
+            self.table._store(ids, rows, name)
+        except OSError as e:
+            raise self._write_error(e, "writing rows") from e
+
+    def _write_error(self, e: OSError, what: str) -> TableWriteError:
+        step = self._step_in_progress
+        when = f"at step {step}" if step is not None else f"after step {self.applied_step}"
+        last = self.table.checkpoints
+        at = f"step {last[-1].step}" if last else "its last checkpoint"
+        return TableWriteError(
+            e.errno,
+            f"{what} of table {self.table.path} {when} failed: {e.strerror or e}"
+            + (f": {e.filename}" if e.filename else "")
+            + f"; the table reopens at its last checkpoint ({at}). Free space and call close() "
+            "or checkpoint() again to keep the steps applied since",
+        )
+
+    @property
+    def applied_step(self) -> int:
+        return self.writeback.applied if self.writeback is not None else self.table.step
+
+    # ------------------------------------------------------------------------- checkpoints
+    def checkpoint(self) -> Checkpoint:
+        """Apply every queued step, write every updated row and its state, and commit them with
+        the step as a checkpoint (NOTE [ Checkpoint commit ] in ``checkpoints.py``)."""
+        self.check_open()
+        if self.writeback is not None:
+            self.writeback.wait()
+        return self._commit()
+
+    def _commit(self) -> Checkpoint:
+        self._check_intact()
+        with self.lock:  # no hand-off evicts and no step writes while the files are linked
+            self.cache.flush()
+            step = self.applied_step
+            try:
+                return self.table._commit(step)
+            except OSError as e:
+                if isinstance(e, TableWriteError):
+                    raise
+                raise self._write_error(e, "the checkpoint") from e
+
+    def flush(self) -> None:
+        """Apply what is queued and write every updated row to the table's live arrays."""
+        self.check_open()
+        if self.writeback is None:
+            return
+        self.writeback.wait()
+        with self.lock:
+            self.cache.flush()
+
+    def save(self, folder: str) -> Checkpoint:
+        """Commit a checkpoint, then copy it into ``folder`` as a table of its own."""
+        checkpoint = self.checkpoint()
+        try:
+            checkpoints.snapshot(checkpoint.path, folder)
+        except OSError as e:
+            raise TableWriteError(
+                e.errno, f"saving a snapshot of {self.table.path} into {folder} failed: {e}"
+            ) from e
+        return checkpoint
+
+    def load(self, source: Table) -> None:
+        """Make the table the snapshot ``source`` (read-only, checked compatible by the pipe):
+        queued steps are applied first, then the cache is emptied without writing it back,
+        pending gradients are dropped, and the snapshot is committed as the newest checkpoint."""
+        self.check_open()
+        self._check_intact()
+        if self.writeback is not None:
+            self.writeback.wait()
+        self.pending = []
+        with self.lock:
+            self.cache.reset()
+            self.table._restore(source.root, self.optimizer)
+            if self.writeback is not None:
+                self.writeback.restart_at(source.step)
+            self.shared.publish(self.cache.clock)
+
+    # ------------------------------------------------------------------------- lifecycle
+    def close(self, raise_errors: bool = True) -> None:
+        """Apply what is queued, write every updated row, commit a checkpoint, stop the thread
+        and release the table. Can be called again after it raised: what failed is retried.
+
+        If the writeback thread failed at step t, steps before t are committed (a step whose
+        table write failed is undone first), then the error is raised. If the cache cannot be
+        trusted (an interrupted update), nothing is committed: the table stays at its last
+        checkpoint.
+        """
+        if self.closed:
+            return
+        error: BaseException | None = None
+        if self.writeback is not None:
+            if self.pending and self.cache.broken is None:
+                try:
+                    self.submit()  # the last, partial accumulation group
+                except WritebackError as e:
+                    error, self.pending = e, []
+            try:
+                self.writeback.close()
+            except (WritebackError, TableWriteError) as e:
+                error = error or e
+        if self.writeback is None or not self.writeback.alive:  # else a write hangs: leave it
+            if self.cache.broken is None and (self.table._modified or self.cache.dirty.any()):
+                self._commit()  # raises on a full disk: close() may be called again
+        self.table._release_claim()
+        if self.writeback is not None and self.writeback.alive:
+            self.table._abandon()  # never commit under a thread that may still write
+        elif self.owns_table:
+            self.table.close()
+        self.closed = True
+        if error is not None and raise_errors:
+            raise error
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this EmbeddingPipe is closed; make a new one")
+
+    def _check_intact(self) -> None:
+        self.cache._check()
+
+    def stats(self) -> dict[str, int]:
+        cache = self.cache.counts
+        return {
+            **self.counts,
+            "rows_read": self.counts["misses"] + cache["rows_read"],
+            "rows_written": cache["rows_written"],
+            "evictions": cache["evictions"],
+            "cleaned_ahead": cache["cleaned_ahead"],
+            "writeback_queue": self.writeback.pending if self.writeback else 0,
+            "steps": self.applied_step - self.start_step,
+            "cached_rows": int((self.shared.slot_id >= 0).sum()),
+            "dirty_rows": int(self.cache.dirty.sum()),
+        }
+
+
+def _update_in_float32(
+    optimizer: RowOptimizer, work: Update, grad: torch.Tensor, step: int
+) -> None:
+    """Run the optimizer on ``work`` in place; float16 rows are updated in float32 and rounded
+    back, since an ``eps`` of 1e-8 and a squared gradient both vanish in float16."""
+    rows = torch.from_numpy(work.rows)
+    state = {name: torch.from_numpy(values) for name, values in work.state.items()}
+    if rows.dtype in (torch.float32, torch.float64):
+        optimizer.update(rows, grad, state, step)
+        return
+    wide = {name: values.float() for name, values in state.items()}
+    wide_rows = rows.float()
+    optimizer.update(wide_rows, grad.float(), wide, step)
+    rows.copy_(wide_rows)
+    for name, values in state.items():
+        values.copy_(wide[name])
