@@ -18,15 +18,9 @@ from .errors import EmbedpipeError
 from .table import COMPRESSORS, Table
 from .tensorfiles import export_table, import_table
 
-#: Exceptions that mean "the input was wrong", reported in one line without a traceback.
-USER_ERRORS = (
-    EmbedpipeError,
-    FileNotFoundError,
-    FileExistsError,
-    PermissionError,
-    ValueError,
-    KeyError,
-)
+#: Exceptions that mean "the input (or the disk) was wrong", reported in one line without a
+#: traceback. OSError covers missing, existing and unwritable files, and a full disk.
+USER_ERRORS = (EmbedpipeError, OSError, ValueError, KeyError)
 
 
 def cmd_import(args: argparse.Namespace) -> None:
@@ -92,6 +86,17 @@ def table_info(table: Table) -> dict[str, object]:
     }
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (a usage error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="embedpipe", description="Embedding tables on disk, looked up inside the DataLoader."
@@ -139,8 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_info)
 
     p = commands.add_parser("demo", help="create a table in a temporary folder and describe it")
-    p.add_argument("--rows", type=int, default=30522, help="rows (default: BERT-base's vocabulary)")
-    p.add_argument("--dim", type=int, default=128, help="row width")
+    p.add_argument(
+        "--rows", type=positive_int, default=30522, help="rows (default: BERT-base's vocabulary)"
+    )
+    p.add_argument("--dim", type=positive_int, default=128, help="row width")
     p.set_defaults(run=cmd_demo)
     return parser
 

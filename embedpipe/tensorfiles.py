@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import struct
 from collections.abc import Callable, Mapping
@@ -21,7 +22,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .errors import SourceFormatError, SourceKeyError
+from .errors import (
+    SourceFormatError,
+    SourceKeyError,
+    TableExistsError,
+    TableFormatError,
+    TableLockedError,
+)
 from .table import Table
 
 #: Names of the word-embedding tensor in common architectures (matched as a key's suffix).
@@ -38,6 +45,8 @@ WORD_EMBEDDING_NAMES = (
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "float64": "F64"}
 _TORCH_TO_NUMPY = {torch.float32: "float32", torch.float16: "float16", torch.float64: "float64"}
+#: Fields every tensor entry of a safetensors header has.
+_TENSOR_FIELDS = {"dtype", "shape", "data_offsets"}
 
 
 class TensorRows:
@@ -98,7 +107,7 @@ def open_source(
     if suffix == ".npy":
         if key is not None:
             raise SourceKeyError(f"{path}: a .npy file holds one unnamed array; drop --key {key}")
-        array = np.load(path, mmap_mode="r")
+        array = _load_npy(path)
         if array.dtype.kind != "f":
             raise SourceFormatError(f"{path}: array dtype {array.dtype} is not floating point")
         tensor = torch.from_numpy(np.empty(0, array.dtype))
@@ -133,14 +142,44 @@ def import_table(
     (needed for bfloat16). The source key is recorded in the table's metadata.
     """
     source = open_source(src, key, dtype)
-    table = Table.from_tensor(
-        dst,
-        source,
-        chunk_rows=chunk_rows,
-        compressor=compressor,
-        overwrite=overwrite,
-        progress=progress,
-    )
+    if chunk_rows is not None and (
+        not isinstance(chunk_rows, (int, np.integer))
+        or isinstance(chunk_rows, bool)
+        or chunk_rows < 1
+    ):
+        raise ValueError(
+            f"chunk_rows must be a positive integer, got {chunk_rows!r} (--chunk-rows on the "
+            "command line)"
+        )
+    out = Path(dst).expanduser()
+    blocker = _file_above(out)
+    if blocker is not None:
+        raise TableExistsError(
+            f"{out}: cannot make a table folder there, {blocker} is a file; pick another destination"
+        )
+    existed = out.exists()
+    try:
+        table = Table.from_tensor(
+            out,
+            source,
+            chunk_rows=chunk_rows,
+            compressor=compressor,
+            overwrite=overwrite,
+            progress=progress,
+        )
+    except TableFormatError:  # overwrite=True over something that is not a table: never deleted
+        if not (overwrite and existed):
+            raise
+        raise TableExistsError(
+            f"{out} exists and is not an embedpipe table; overwrite=True (--force on the command "
+            "line) replaces only a table: remove it yourself or pick another destination"
+        ) from None
+    except TableLockedError:
+        raise TableLockedError(
+            f"{out} is open for writing by another process or handle; overwrite=True (--force on "
+            "the command line) never replaces a table in use: close it there first or pick "
+            "another destination"
+        ) from None
     table.update_metadata(source={"path": str(Path(src).expanduser().resolve()), "key": source.key})
     return table
 
@@ -164,9 +203,17 @@ def export_table(
         raise SourceFormatError(
             f"{out}: export writes .safetensors or .npy, not {suffix or '(no suffix)'!r}"
         )
+    if out.is_dir():
+        raise FileExistsError(f"{out} is a folder; give a file name ending in .safetensors or .npy")
     if out.exists() and not overwrite:
         raise FileExistsError(
-            f"{out} already exists; choose another name or pass --force / overwrite=True"
+            f"{out} already exists; choose another name or pass overwrite=True (--force on the "
+            "command line)"
+        )
+    if not out.parent.is_dir():
+        what = "is a file, not a folder" if out.parent.exists() else "does not exist"
+        raise FileNotFoundError(
+            f"{out}: the folder {out.parent} {what}; create it first or pick another destination"
         )
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
@@ -187,6 +234,8 @@ def export_table(
                 array.flush()
                 del array
         os.replace(tmp, out)
+    except OSError as e:  # disk full, no permission: name the destination, not the temporary file
+        raise type(e)(f"{out}: export failed ({e.strerror or type(e).__name__})") from None
     finally:
         tmp.unlink(missing_ok=True)
     return out
@@ -217,12 +266,32 @@ def _write_safetensors(
 
 
 def _safetensors_keys(path: Path) -> list[str]:
+    """The tensor names in a safetensors file's header, which is checked to describe tensors."""
     try:
         with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            return [k for k in json.loads(f.read(size)) if k != "__metadata__"]
-    except (OSError, struct.error, ValueError) as e:
-        raise SourceFormatError(f"{path}: not a readable safetensors file ({e})") from None
+            head = f.read(8)
+            size = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            file_size = os.fstat(f.fileno()).st_size
+            if size is None:
+                reason = f"{file_size} bytes, shorter than a safetensors header"
+            elif size > file_size - 8:
+                reason = f"its header claims {size} bytes, the file has {file_size}: damaged?"
+            else:
+                header = json.loads(f.read(size))
+                entries = header.items() if isinstance(header, dict) else [(None, None)]
+                if all(
+                    k == "__metadata__" or (isinstance(v, dict) and v.keys() >= _TENSOR_FIELDS)
+                    for k, v in entries
+                ):
+                    return [k for k in header if k != "__metadata__"]
+                reason = "its header does not describe tensors"
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+    except ValueError:  # bad JSON or bad UTF-8
+        reason = "its header is not JSON"
+    raise SourceFormatError(
+        f"{path}: not a readable safetensors file ({reason}); download or save it again"
+    )
 
 
 def _open_safetensors(
@@ -235,32 +304,34 @@ def _open_safetensors(
             "reading .safetensors needs the safetensors package: pip install 'embedpipe[hf]'"
         ) from None
     name = _choose_key(list(files), key, origin)
-    handle = safe_open(str(files[name]), framework="pt")
-    tensor_slice = handle.get_slice(name)
-    head = tensor_slice[:0]
-    return TensorRows(
-        name,
-        tuple(tensor_slice.get_shape()),
-        head.dtype,
-        lambda a, b: tensor_slice[a:b],
-        dtype,
-        origin,
-    )
+    file = files[name]
+    if not file.is_file():
+        raise SourceFormatError(
+            f"{origin}: tensor {name!r} is in {file.name}, which is missing; download the whole "
+            "checkpoint"
+        )
+    try:
+        handle = safe_open(str(file), framework="pt")
+        tensor_slice = handle.get_slice(name)
+        head = tensor_slice[:0]
+        shape = tuple(tensor_slice.get_shape())
+    except Exception as e:  # safetensors' own SafetensorError, or an OSError
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise SourceFormatError(
+            f"{file}: not a readable safetensors file ({reason}); download or save it again"
+        ) from None
+    return TensorRows(name, shape, head.dtype, lambda a, b: tensor_slice[a:b], dtype, origin)
 
 
 def _open_state_dict(path: Path, key: str | None, dtype: str | None) -> TensorRows:
-    try:
-        try:
-            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
-            loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise SourceFormatError(
-            f"{path}: torch.load could not read it as a state dict ({e})"
-        ) from None
+    loaded = _torch_load(path)
     tensors = {path.stem: loaded} if isinstance(loaded, torch.Tensor) else _flatten(loaded)
     if not tensors:
-        raise SourceFormatError(f"{path}: holds no tensors")
+        what = "a dict without tensors" if isinstance(loaded, Mapping) else _type_name(loaded)
+        raise SourceFormatError(
+            f"{path}: holds no tensors ({what}); save a state dict (model.state_dict()) or a "
+            "tensor with torch.save"
+        )
     name = _choose_key(list(tensors), key, str(path))
     tensor = tensors[name]
     return TensorRows(
@@ -268,11 +339,75 @@ def _open_state_dict(path: Path, key: str | None, dtype: str | None) -> TensorRo
     )
 
 
+def _torch_load(path: Path) -> Any:
+    """``torch.load`` of tensors only (never arbitrary objects); errors in a line, no torch internals."""
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        if found:
+            raise SourceFormatError(
+                f"{path}: holds a pickled {found.group(1)} object, not a state dict or a tensor "
+                "(embedpipe loads tensors only, never pickled objects); save the weights with "
+                "torch.save(model.state_dict(), ...) and import that file"
+            ) from None
+        reason = "neither a zip archive nor a pickle written by torch.save"
+    except EOFError:
+        reason = "the file ends early: truncated?"
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+    except Exception as e:  # torch's messages carry miniz codes and C++ file:line; keep none
+        reason = "a damaged zip archive" if "PytorchStreamReader" in str(e) else "damaged contents"
+    raise SourceFormatError(
+        f"{path}: not a readable PyTorch file (torch.load could not read it: {reason}); "
+        "download it again or save it again with torch.save"
+    )
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    """The array in a .npy file, memory-mapped; errors name the file and never suggest pickle."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(6)
+    except OSError as e:
+        raise SourceFormatError(
+            f"{path}: cannot read it ({e.strerror or type(e).__name__})"
+        ) from None
+    if magic != b"\x93NUMPY":
+        raise SourceFormatError(
+            f"{path}: not a .npy array file (no .npy header); save the array with numpy.save, or "
+            "give the file the suffix of its real format"
+        )
+    try:
+        return np.load(path, mmap_mode="r")
+    except (ValueError, OSError) as e:
+        reason = (
+            "it holds Python objects, not numbers"
+            if "objects" in str(e) or "pickle" in str(e)
+            else "its header or its size is damaged: truncated?"
+        )
+        raise SourceFormatError(
+            f"{path}: not a readable .npy array file ({reason}); save the array again with "
+            "numpy.save"
+        ) from None
+
+
 def _open_model_folder(folder: Path, key: str | None, dtype: str | None) -> TensorRows:
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = folder / index_name
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError
+            except (OSError, ValueError, KeyError, TypeError):
+                raise SourceFormatError(
+                    f'{index}: not a readable checkpoint index (no JSON "weight_map" of tensor '
+                    "names to files); download it again or point at a weights file"
+                ) from None
             if index_name.startswith("model.safetensors"):
                 return _open_safetensors(
                     {k: folder / f for k, f in weight_map.items()}, key, dtype, str(folder)
@@ -308,9 +443,11 @@ def _choose_key(keys: list[str], key: str | None, origin: str) -> str:
     if key is not None:
         if key in keys:
             return key
-        close = [k for k in keys if key in k][:10]
-        hint = f"; keys containing it: {', '.join(close)}" if close else ""
-        raise SourceKeyError(f"{origin}: no tensor named {key!r}{hint}")
+        close = [k for k in keys if key in k]
+        raise SourceKeyError(
+            f"{origin}: no tensor named {key!r}; choose one with --key from: "
+            f"{_some(close + [k for k in keys if k not in close])}"
+        )
     pattern = re.compile(r"(^|\.)(" + "|".join(re.escape(n) for n in WORD_EMBEDDING_NAMES) + r")$")
     found = [k for k in keys if pattern.search(k)]
     if len(found) == 1:
@@ -319,7 +456,28 @@ def _choose_key(keys: list[str], key: str | None, origin: str) -> str:
         raise SourceKeyError(
             f"{origin}: several word-embedding tensors ({', '.join(found)}); choose one with --key"
         )
-    shown = ", ".join(keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
     raise SourceKeyError(
-        f"{origin}: no word-embedding tensor found by name; choose one with --key from: {shown}"
+        f"{origin}: no word-embedding tensor found by name; choose one with --key from: "
+        f"{_some(keys)}"
     )
+
+
+def _some(names: list[str], most: int = 10) -> str:
+    """Up to ``most`` names, comma-separated, and how many more there are."""
+    shown = ", ".join(names[:most]) or "(none)"
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return (
+        kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    )
+
+
+def _file_above(path: Path) -> Path | None:
+    """The first existing ancestor of ``path`` when it is a file (no folder can be made under it)."""
+    for parent in path.absolute().parents:
+        if parent.exists():
+            return None if parent.is_dir() else parent
+    return None

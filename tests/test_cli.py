@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+import zarr
+from safetensors.torch import load_file, save_file
 
+import embedpipe
 from embedpipe.cli import main
 
 
@@ -96,3 +99,233 @@ def test_bad_input_exits_nonzero_with_one_line(tmp_path, make, args, message):
 def test_usage_errors_exit_2():
     assert run("import").returncode == 2
     assert run("frobnicate").returncode == 2
+
+
+# ------------------------------------------------------------------------------ bad input
+# Every bad input ends as one line on stderr, `embedpipe: error: ...`, that names the path typed
+# and says what to do: no traceback, no terminal colour codes, no temporary file names, none of
+# torch's, numpy's or zarr's internal wording.
+def _bad_files(tmp: Path) -> None:
+    """Every kind of bad input the tests below point the command at, made in ``tmp``."""
+    rng = np.random.default_rng(0)
+    (tmp / "random.pt").write_bytes(rng.integers(0, 256, 2000, dtype=np.uint8).tobytes())
+    torch.save({"w": torch.randn(50, 4)}, tmp / "real.pt")
+    data = (tmp / "real.pt").read_bytes()
+    (tmp / "truncated.pt").write_bytes(data[: len(data) // 2])
+    torch.save(torch.randn(50, 4), tmp / "legacy.pt", _use_new_zipfile_serialization=False)
+    data = (tmp / "legacy.pt").read_bytes()
+    (tmp / "truncated_legacy.pt").write_bytes(data[: len(data) // 2])
+    torch.save(torch.nn.Linear(2, 2), tmp / "module.pt")
+    torch.save([torch.zeros(2, 2)], tmp / "list.pt")
+    torch.save({"a": torch.zeros(3, 2), "b": torch.zeros(3, 2)}, tmp / "two.pt")
+    (tmp / "text.npy").write_text("1,2,3\n4,5,6\n")
+    np.savez(tmp / "archive.npz", a=np.zeros(3))
+    (tmp / "archive.npz").rename(tmp / "archive.npy")
+    np.save(tmp / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    np.save(tmp / "w.npy", np.zeros((4, 2), np.float32))
+    save_file({k: torch.zeros(3, 2) for k in "abc"}, tmp / "three.safetensors")
+    save_file({f"t{i:02}": torch.zeros(3, 2) for i in range(14)}, tmp / "many.safetensors")
+    (tmp / "garbage.safetensors").write_bytes(b"\xff" * 100)
+    (tmp / "notjson.safetensors").write_bytes(b"\x10" + b"\0" * 7 + b"this is not json")
+    (tmp / "empty").mkdir()
+    (tmp / "no_weights").mkdir()
+    (tmp / "no_weights" / "config.json").write_text("{}")
+    (tmp / "bad_index").mkdir()
+    (tmp / "bad_index" / "model.safetensors.index.json").write_text("{")
+    (tmp / "folder.npy").mkdir()
+    zarr.open_group(tmp / "group.zarr", mode="w")
+    zarr.create_array(tmp / "array.zarr", shape=(3,), dtype="float32")
+    embedpipe.import_table(tmp / "w.npy", tmp / "t.zarr").close()
+
+
+def _one_line_error(capsys, args: list[str], path: str) -> str:
+    """Run the command; check it failed with one clean line naming ``path``; return the line."""
+    code = main(args)
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 1, captured.err
+    assert len(lines) == 1, captured.err
+    line = lines[0]
+    assert line.startswith("embedpipe: error: "), line
+    assert path in line, line
+    for leak in ("Traceback", "\x1b[", ".tmp", "(101)", "Errno", "allow_pickle", "weights_only"):
+        assert leak not in line, line
+    assert captured.out == ""
+    return line
+
+
+@pytest.mark.parametrize(
+    ("args", "named", "expected"),
+    [
+        # 1. a corrupt .pt: a short reason, none of torch's internals
+        (["import", "random.pt", "x.zarr"], "random.pt", ["not a readable PyTorch file ("]),
+        (["import", "truncated.pt", "x.zarr"], "truncated.pt", ["not a readable PyTorch file ("]),
+        (
+            ["import", "truncated_legacy.pt", "x.zarr"],
+            "truncated_legacy.pt",
+            ["not a readable PyTorch file (", "truncated"],
+        ),
+        # 2. a pickled module: what it holds and how to save a state dict instead
+        (
+            ["import", "module.pt", "x.zarr"],
+            "module.pt",
+            ["pickled torch.nn.modules.linear.Linear object", "torch.save(model.state_dict()"],
+        ),
+        (["import", "list.pt", "x.zarr"], "list.pt", ["holds no tensors", "state_dict()"]),
+        # 3. not a .npy file, whatever numpy thinks it might be
+        (["import", "text.npy", "x.zarr"], "text.npy", ["text.npy: not a .npy array file"]),
+        (["import", "archive.npy", "x.zarr"], "archive.npy", ["not a .npy array file"]),
+        (["import", "objects.npy", "x.zarr"], "objects.npy", ["Python objects", "numpy.save"]),
+        # 4. export into a folder that does not exist: the destination, not the temporary file
+        (
+            ["export", "t.zarr", "missing/folder/out.npy"],
+            "missing/folder/out.npy",
+            ["the folder", "missing/folder does not exist"],
+        ),
+        (
+            ["export", "t.zarr", "missing/folder/out.safetensors"],
+            "missing/folder/out.safetensors",
+            ["the folder", "missing/folder does not exist"],
+        ),
+        (
+            ["export", "t.zarr", "w.npy/out.npy"],
+            "w.npy/out.npy",
+            ["the folder", "is a file, not a folder"],
+        ),
+        (["export", "t.zarr", "folder.npy", "--force"], "folder.npy", ["is a folder"]),
+        # 5. an unknown --key lists the tensors there are (ten, then a count)
+        (
+            ["import", "three.safetensors", "x.zarr", "--key", "nope"],
+            "three.safetensors",
+            ["no tensor named 'nope'", "from: a, b, c"],
+        ),
+        (
+            ["import", "many.safetensors", "x.zarr", "--key", "nope"],
+            "many.safetensors",
+            ["t00, t01, t02, t03, t04, t05, t06, t07, t08, t09 and 4 more"],
+        ),
+        (
+            ["import", "two.pt", "x.zarr", "--key", "nope"],
+            "two.pt",
+            ["no tensor named 'nope'", "from: a, b"],
+        ),
+        # 6. Python argument names come with the command-line option
+        (
+            ["export", "t.zarr", "w.npy"],
+            "w.npy",
+            ["already exists", "overwrite=True (--force on the command line)"],
+        ),
+        (
+            ["import", "w.npy", "empty", "--force"],
+            "empty",
+            ["is not an embedpipe table", "(--force on the command line)", "pick another"],
+        ),
+        (
+            ["import", "w.npy", "x.zarr", "--chunk-rows", "0"],
+            "",  # the value is named, no path
+            ["chunk_rows must be a positive integer, got 0 (--chunk-rows on the command line)"],
+        ),
+        # 7. a folder that is not a table
+        (
+            ["info", "empty"],
+            "empty",
+            ["is not an embedpipe table (no zarr.json", "make one with `embedpipe import`"],
+        ),
+        (
+            ["export", "empty", "o.npy"],
+            "empty",
+            ["is not an embedpipe table (no zarr.json", "make one with `embedpipe import`"],
+        ),
+        (["info", "array.zarr"], "array.zarr", ["make", "`embedpipe import`"]),
+        (["info", "group.zarr"], "group.zarr", ["make", "`embedpipe import`"]),
+        # and the rest
+        (["import", "missing.pt", "x.zarr"], "missing.pt", ["does not exist", "give a"]),
+        (["import", "no_weights", "x.zarr"], "no_weights", ["no model.safetensors", "point at"]),
+        (
+            ["import", "bad_index", "x.zarr"],
+            "bad_index/model.safetensors.index.json",
+            ["not a readable checkpoint index"],
+        ),
+        (
+            ["import", "garbage.safetensors", "x.zarr"],
+            "garbage.safetensors",
+            ["not a readable safetensors file (", "again"],
+        ),
+        (
+            ["import", "notjson.safetensors", "x.zarr"],
+            "notjson.safetensors",
+            ["not a readable safetensors file (", "again"],
+        ),
+        (
+            ["import", "w.npy", "t.zarr"],
+            "t.zarr",
+            ["already exists", "overwrite=True (--force on the command line)"],
+        ),
+        (
+            ["import", "w.npy", "w.npy/x.zarr"],
+            "w.npy/x.zarr",
+            ["w.npy is a file", "pick another destination"],
+        ),
+        (["info", "nothing.zarr"], "nothing.zarr", ["no table at", "`embedpipe import`"]),
+    ],
+    ids=[
+        "corrupt-pt-random-bytes",
+        "corrupt-pt-truncated-zip",
+        "corrupt-pt-truncated-legacy",
+        "pt-pickled-module",
+        "pt-list-without-tensors",
+        "npy-text-file",
+        "npy-npz-archive",
+        "npy-object-array",
+        "export-missing-folder-npy",
+        "export-missing-folder-safetensors",
+        "export-folder-is-a-file",
+        "export-onto-a-folder",
+        "key-not-found-safetensors",
+        "key-not-found-many",
+        "key-not-found-pt",
+        "export-exists-names-force",
+        "import-force-onto-non-table",
+        "chunk-rows-zero",
+        "info-empty-folder",
+        "export-from-empty-folder",
+        "info-zarr-array",
+        "info-zarr-group",
+        "import-missing-source",
+        "import-folder-without-weights",
+        "import-bad-shard-index",
+        "safetensors-garbage",
+        "safetensors-header-not-json",
+        "import-onto-existing-table",
+        "import-under-a-file",
+        "info-missing-path",
+    ],
+)
+def test_bad_input_is_one_line_naming_the_path(
+    tmp_path, capsys, monkeypatch, args, named, expected
+):
+    _bad_files(tmp_path)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    monkeypatch.chdir(tmp_path)  # the paths are typed as a user types them, relative
+    line = _one_line_error(capsys, args, named)
+    for text in expected:
+        assert text in line, line
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing was written
+
+
+def test_force_onto_a_table_being_written_says_so(table, tmp_path, capsys):
+    np.save(tmp_path / "w.npy", np.zeros((4, 2), np.float32))
+    line = _one_line_error(
+        capsys, ["import", str(tmp_path / "w.npy"), table.path, "--force"], table.path
+    )
+    assert "open for writing" in line and "(--force on the command line)" in line
+    assert "mode=" not in line and "close()" not in line
+    assert table.num_rows == 1000 and table.read([0]).shape == (1, 16)  # untouched
+
+
+def test_demo_sizes_must_be_positive(capsys):
+    for args in (["demo", "--rows", "0"], ["demo", "--dim", "-3"], ["demo", "--rows", "x"]):
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        assert e.value.code == 2
+        assert "must be a positive integer" in capsys.readouterr().err
