@@ -360,7 +360,12 @@ def _torch_load(path: Path) -> Any:
     except OSError as e:
         reason = e.strerror or type(e).__name__
     except Exception as e:  # torch's messages carry miniz codes and C++ file:line; keep none
-        reason = "a damaged zip archive" if "PytorchStreamReader" in str(e) else "damaged contents"
+        if "PytorchStreamReader" in str(e):
+            reason = "a damaged zip archive"
+        elif "EOF" in str(e):
+            reason = "the file ends early: truncated?"
+        else:
+            reason = "damaged contents"
     raise SourceFormatError(
         f"{path}: not a readable PyTorch file (torch.load could not read it: {reason}); "
         "download it again or save it again with torch.save"

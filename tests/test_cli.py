@@ -163,7 +163,7 @@ def _one_line_error(capsys, args: list[str], path: str) -> str:
         (
             ["import", "truncated_legacy.pt", "x.zarr"],
             "truncated_legacy.pt",
-            ["not a readable PyTorch file (", "truncated"],
+            ["not a readable PyTorch file (", "ends early: truncated?"],
         ),
         # 2. a pickled module: what it holds and how to save a state dict instead
         (
