@@ -21,7 +21,9 @@ write after a commit copies it and renames the copy over the live name (copy-on-
     rewrite the live zarr.json; prune beyond keep (rename to .trash-<seq> first, then delete)
 
 so a crash anywhere leaves the previous checkpoints whole and the new one either complete or
-absent. Opening the table to write (:func:`recover`) deletes ``.tmp-*`` and ``.trash-*`` debris
+absent. A reader pins the checkpoint it opened with a shared ``flock`` on its folder
+(:class:`Pin`); pruning takes an exclusive one without waiting and skips a checkpoint that is
+pinned (it goes at a later commit), so ``keep`` can be exceeded while readers are open. Opening the table to write (:func:`recover`) deletes ``.tmp-*`` and ``.trash-*`` debris
 and makes every live file a link to the latest checkpoint's file again, so rows written in place
 after that commit are gone. Readers open a checkpoint folder, never the live arrays.
 
@@ -31,7 +33,9 @@ is put in it, so zarr-python lists the group's members without warnings.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import os
 import re
@@ -83,7 +87,7 @@ def write_file(path: str, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        _unlink(tmp)
+        unlink(tmp)
         raise
     fsync_dir(os.path.dirname(path))
 
@@ -241,20 +245,49 @@ def commit(root: str, metadata: dict[str, Any], step: int, keep: int) -> Checkpo
 
 
 def prune(root: str, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints (renamed to ``.trash-*`` first, so a crash
-    in the middle never leaves a half-deleted checkpoint that looks committed)."""
+    """Delete all but the newest ``keep`` checkpoints, except those a reader has pinned. Each is
+    renamed to ``.trash-*`` first, so a crash in the middle never leaves a half-deleted
+    checkpoint that looks committed."""
     found = checkpoints(root)
-    old = found[: max(0, len(found) - keep)]
-    if not old:
-        return
     trash = []
-    for checkpoint in old:
+    for checkpoint in found[: max(0, len(found) - keep)]:
+        fd = os.open(checkpoint.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)  # a reader has it open: it goes at a later commit
+            continue
         target = os.path.join(os.path.dirname(checkpoint.path), f".trash-{checkpoint.seq:06d}")
-        os.rename(checkpoint.path, target)
+        try:
+            os.rename(checkpoint.path, target)
+        finally:
+            os.close(fd)
         trash.append(target)
+    if not trash:
+        return
     fsync_dir(os.path.join(root, CHECKPOINTS))
     for target in trash:
         shutil.rmtree(target, ignore_errors=True)
+
+
+class Pin:
+    """A reader's shared ``flock`` on a checkpoint folder: pruning leaves the folder alone while
+    the pin is held. :func:`pin_latest` takes one on a checkpoint that still exists."""
+
+    def __init__(self, folder: str) -> None:
+        self.fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fcntl.flock(self.fd, fcntl.LOCK_SH)  # waits only while a prune renames this folder
+        if not os.path.exists(folder):  # renamed to .trash- just before the pin: not a checkpoint
+            self.release()
+            raise FileNotFoundError(folder)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        self.release()
 
 
 # ----------------------------------------------------------------------------- recover, restore
@@ -280,7 +313,7 @@ def restore(root: str, source: str) -> int:
     or another one); returns how many files changed. Files are hard-linked (copied across
     filesystems); the live metadata becomes the source's, less its checkpoint stamp."""
     for path in _debris(root):
-        _unlink(path)
+        unlink(path)
     want = content_files(source)
     have = content_files(root)
     for rel in sorted(set(have) - set(want)):
@@ -293,7 +326,7 @@ def restore(root: str, source: str) -> int:
         target = os.path.join(root, rel)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         tmp = f"{target}.restore.tmp"
-        _unlink(tmp)
+        unlink(tmp)
         _link_or_copy(os.path.join(source, rel), tmp)
         os.replace(tmp, target)
         changed += 1
@@ -332,8 +365,7 @@ def _remove_empty_folders(root: str) -> None:
                 os.rmdir(dirpath)
 
 
-def _unlink(path: str) -> None:
-    try:
+def unlink(path: str) -> None:
+    """Remove ``path`` if it is there."""
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -42,16 +42,19 @@ def cmd_import(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    out = export_table(args.src, args.dst, key=args.key, overwrite=args.force, progress=True)
-    print(f"exported {args.src} to {out}")
+    table = Table.open(args.src, "r", step=args.step)
+    out = export_table(table, args.dst, key=args.key, overwrite=args.force, progress=True)
+    print(f"exported {args.src} at step {table.step} to {out}")
 
 
 def cmd_info(args: argparse.Namespace) -> None:
-    info = table_info(Table.open(args.path, "r"))
+    info = table_info(Table.open(args.path, "r", step=args.step))
     if args.json:
         print(json.dumps(info, indent=2))
         return
     for name, value in info.items():
+        if name == "checkpoints":
+            value = "  ".join(f"step {c['step']} ({c['time']})" for c in value) or "none"
         print(f"{name:<16}{value}")
 
 
@@ -83,6 +86,8 @@ def table_info(table: Table) -> dict[str, object]:
         "state": ", ".join(table.state_names) or "none",
         "step": table.step,
         "source": (meta.get("source") or {}).get("key", "-"),
+        "keep": meta.get("keep", "-"),
+        "checkpoints": [{"step": c.step, "time": c.time, "path": c.path} for c in table.checkpoints],
     }
 
 
@@ -133,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--key", default="weight", help="tensor name in a .safetensors file (default: weight)"
     )
+    p.add_argument(
+        "--step", type=int, help="export the checkpoint at this step (default: the latest)"
+    )
     p.add_argument("--force", action="store_true", help="replace an existing file at DST")
     p.set_defaults(run=cmd_export)
 
@@ -140,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         "info", help="shape, dtype, chunking, bytes, optimizer state and step of a table"
     )
     p.add_argument("path", help="table folder")
+    p.add_argument("--step", type=int, help="describe the checkpoint at this step")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=cmd_info)
 

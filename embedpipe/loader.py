@@ -13,6 +13,7 @@ start method) works as usual, because this is a DataLoader.
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from .pipe import EmbeddingPipe
 
 DEFAULT_RING_ROWS = 2048
+#: How long a broken connection to a worker waits for that worker's exit to be seen.
+DEAD_WORKER_SECONDS = 5.0
 
 
 def _exit_reason(code: int) -> str:
@@ -112,7 +115,7 @@ class PipeLoader:
             # worker surfaces in torch as a RuntimeError or, mid-transfer, a ConnectionResetError:
             # name the worker either way.
             try:
-                dead = [w for w in getattr(iterator, "_workers", ()) if w.exitcode not in (None, 0)]
+                dead = _dead_workers(iterator, wait=isinstance(e, (ConnectionError, EOFError)))
             finally:  # torch's SIGCHLD handler may raise here too; shut down all the same
                 shutdown = getattr(iterator, "_shutdown_workers", None)
                 if shutdown is not None:
@@ -127,3 +130,14 @@ class PipeLoader:
 
     def __len__(self) -> int:
         return len(self.dataloader)
+
+
+def _dead_workers(iterator: Any, wait: bool) -> list[Any]:
+    """The iterator's workers that have exited with an error. A broken connection means one
+    died mid-transfer, though its exit may not be reaped yet: then look again for a while."""
+    deadline = time.monotonic() + (DEAD_WORKER_SECONDS if wait else 0)
+    while True:
+        dead = [w for w in getattr(iterator, "_workers", ()) if w.exitcode not in (None, 0)]
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.05)

@@ -293,9 +293,10 @@ class Owner:
                 self.writeback.close()
             except (WritebackError, TableWriteError) as e:
                 error = error or e
-        if self.writeback is None or not self.writeback.alive:  # else a write hangs: leave it
-            if self.cache.broken is None and (self.table._modified or self.cache.dirty.any()):
-                self._commit()  # raises on a full disk: close() may be called again
+        hung = self.writeback is not None and self.writeback.alive  # a write hangs: leave it
+        changed = self.table._modified or self.cache.dirty.any()
+        if not hung and self.cache.broken is None and changed:
+            self._commit()  # raises on a full disk: close() may be called again
         self.table._release_claim()
         if self.writeback is not None and self.writeback.alive:
             self.table._abandon()  # never commit under a thread that may still write

@@ -48,7 +48,7 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
-from .checkpoints import write_all
+from .checkpoints import unlink, write_all
 from .errors import CorruptTableError
 
 #: How many chunk files one reader keeps mapped (see the NOTE). Python's mmap keeps a file
@@ -203,10 +203,10 @@ class RawRows(ZarrRows):
             self._maps.move_to_end(chunk)
             return cached[2]
         try:
-            f = open(path, "rb")
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:  # replaced or deleted since the stat: look again
             return self._mapped(chunk)
-        with f:
+        with open(fd, "rb") as f:
             inode = os.fstat(f.fileno()).st_ino  # the file we map, even if replaced since stat
             size = os.fstat(f.fileno()).st_size
             if size != self.chunk_rows * self.row_bytes:
@@ -268,7 +268,7 @@ class RawRows(ZarrRows):
             shutil.copyfile(path, tmp)
             fd = os.open(tmp, os.O_RDWR)
         except BaseException:
-            _unlink(tmp)
+            unlink(tmp)
             raise
         os.replace(tmp, path)
         return fd
@@ -303,7 +303,7 @@ class RawRows(ZarrRows):
             with open(tmp, "wb") as f:
                 write_all(f.fileno(), np.ascontiguousarray(rows, dtype=self.dtype.newbyteorder("<")))
         except BaseException:
-            _unlink(tmp)
+            unlink(tmp)
             raise
         os.replace(tmp, path)  # atomic: readers see the old chunk or the new one
 
@@ -320,9 +320,3 @@ def row_access(array: zarr.Array, *, complete: bool = True) -> ZarrRows:
         return ZarrRows(array, complete=complete)
     return RawRows(array, root, complete=complete)
 
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -19,6 +19,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,7 @@ class Table:
                 f"{self.path} is a checkpoint inside a table; open the table with "
                 f"Table.open(table_path, step={meta.get('step')}) instead"
             )
+        self._pin: checkpoints.Pin | None = None
         if mode == "r+":
             self._lock = WriterLock(self.path)
             try:
@@ -107,13 +109,32 @@ class Table:
                 self._lock = None
                 raise
         else:
-            root = self._checkpoint_to_read(meta, step)
+            root = self._pin_checkpoint(meta, step)
         self._open_root(root)
+
+    def _pin_checkpoint(self, meta: dict[str, Any], step: int | None) -> str:
+        """The checkpoint a reader opens, pinned so that pruning leaves it alone (a commit may
+        prune the one just chosen: then choose again)."""
+        for _ in range(10):
+            root = self._checkpoint_to_read(meta, step)
+            if root == self.path:  # format 1: no checkpoints
+                return root
+            try:
+                self._pin = checkpoints.Pin(root)
+                return root
+            except FileNotFoundError:
+                continue
+        raise TableFormatError(f"could not open a checkpoint of {self.path}: they keep changing")
 
     def _checkpoint_to_read(self, meta: dict[str, Any], step: int | None) -> str:
         """The folder a reader opens: the latest checkpoint, the newest one at ``step``, or (a
         format-1 table, which has none) the table itself."""
         found = checkpoints.checkpoints(self.path)
+        if not found and meta.get("format_version") != 1:
+            raise TableFormatError(
+                f"{self.path} has no committed checkpoint: making the table did not finish (it "
+                "was interrupted or failed); delete the folder and make the table again"
+            )
         if step is None:
             return found[-1].path if found else self.path
         matching = [c for c in found if c.step == step]
@@ -130,7 +151,8 @@ class Table:
         as the newest), upgrading a format-1 table first. Returns the folder to open."""
         if meta.get("format_version") == 1:
             _upgrade_format_1(self.path, meta)
-        checkpoints.recover(self.path)
+        if checkpoints.recover(self.path) is None:
+            self._checkpoint_to_read(meta, None)  # says why there is none
         if step is not None:
             source = self._checkpoint_to_read(meta, step)
             checkpoints.restore(self.path, source)
@@ -186,16 +208,16 @@ class Table:
         if not (isinstance(std, (int, float)) and np.isfinite(std) and std >= 0):
             raise ValueError(f"std must be a finite number >= 0, got {std!r}")
         table = cls._create_empty(path, num_rows, dim, dtype, chunk_rows, compressor, overwrite)
-        if init == "normal":
-            step = table._block_rows()
-            for start in tqdm(
-                range(0, num_rows, step), desc="init", unit="block", disable=not progress
-            ):
-                rows = _normal_rows(seed, start, min(start + step, num_rows), dim, std)
-                table._write_range(WEIGHT, start, rows.astype(table.dtype))
-        else:
-            table._array(WEIGHT).fill_all(0.0)
-        table._commit(0)
+        with table._creating():
+            if init == "normal":
+                step = table._block_rows()
+                for start in tqdm(
+                    range(0, num_rows, step), desc="init", unit="block", disable=not progress
+                ):
+                    rows = _normal_rows(seed, start, min(start + step, num_rows), dim, std)
+                    table._write_range(WEIGHT, start, rows.astype(table.dtype))
+            else:
+                table._array(WEIGHT).fill_all(0.0)
         return table
 
     @classmethod
@@ -232,14 +254,16 @@ class Table:
             path, shape[0], shape[1], dtype, chunk_rows, compressor, overwrite
         )
         step = table._block_rows()
-        with tqdm(
-            total=shape[0], desc="import", unit="row", unit_scale=True, disable=not progress
-        ) as bar:
+        with (
+            table._creating(),
+            tqdm(
+                total=shape[0], desc="import", unit="row", unit_scale=True, disable=not progress
+            ) as bar,
+        ):
             for start in range(0, shape[0], step):
                 block = np.asarray(weight[start : start + step])
                 table._write_range(WEIGHT, start, block)
                 bar.update(len(block))
-        table._commit(0)
         return table
 
     @classmethod
@@ -263,9 +287,23 @@ class Table:
         arrays being written, which a pipe's DataLoader workers read; or a checkpoint)."""
         table = cls.__new__(cls)
         table.path, table.mode = path, "r"
-        table._lock, table._owner, table._modified = None, None, False
+        table._lock, table._owner, table._modified, table._pin = None, None, False, None
+        if root != path:
+            table._pin = checkpoints.Pin(root)
         table._open_root(root)
         return table
+
+    @contextmanager
+    def _creating(self) -> Iterator[None]:
+        """Fill a new table, then commit it as its first checkpoint; on any failure, delete it."""
+        try:
+            yield
+            self._commit(0)
+        except BaseException:
+            self._lock.release()
+            self._lock = None
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
 
     @classmethod
     def _create_empty(
@@ -314,6 +352,7 @@ class Table:
         _create_row_array(group, WEIGHT, num_rows, dim, dtype, int(chunk_rows), compressor)
         table = cls.__new__(cls)
         table.path, table.mode, table._owner, table._modified = path, "r+", None, True
+        table._pin = None
         table._lock = WriterLock(path)
         table._open_root(path)
         return table
@@ -513,7 +552,8 @@ class Table:
 
     # ----------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
-        """Commit what was written since the last checkpoint, then release the writer lock.
+        """Commit what was written since the last checkpoint, then release the writer lock (a
+        reader: let its checkpoint be pruned).
 
         Refused while an :class:`~embedpipe.EmbeddingPipe` owns the table: close the pipe first.
         """
@@ -521,6 +561,8 @@ class Table:
             raise TableOwnedError(
                 f"table {self.path} belongs to {self._owner}; close the pipe first (pipe.close())"
             )
+        if self._pin is not None:
+            self._pin.release()
         if self._lock is not None:
             if self._modified:
                 self._commit(self.step)

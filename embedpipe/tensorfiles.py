@@ -215,6 +215,10 @@ def export_table(
         raise FileNotFoundError(
             f"{out}: the folder {out.parent} {what}; create it first or pick another destination"
         )
+    if Path(table.path) in out.resolve().parents:
+        raise FileExistsError(
+            f"{out} is inside the table {table.path}; export to a file outside the table's folder"
+        )
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         with tqdm(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,7 @@ def test_import_info_export_round_trip(tmp_path, bert_folder):
 
 def test_info_text(table, capsys):
     table.add_state("sum")
+    table.checkpoint()  # info shows the last checkpoint
     assert main(["info", table.path]) == 0
     out = capsys.readouterr().out
     assert (
@@ -329,3 +331,57 @@ def test_demo_sizes_must_be_positive(capsys):
             main(args)
         assert e.value.code == 2
         assert "must be a positive integer" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _trained(tmp_path):
+    """A table trained for 4 steps with a checkpoint after each, keeping 3."""
+    path = tmp_path / "t.zarr"
+    embedpipe.Table.from_tensor(path, np.zeros((10, 4), np.float32)).close()
+    data = [{"input_ids": torch.tensor([i % 10])} for i in range(4)]
+    with embedpipe.EmbeddingPipe(
+        path, cache_rows=5, optimizer=embedpipe.optim.SGD(lr=1.0), keep=3
+    ) as pipe:
+        for batch in pipe.loader(data, batch_size=1):
+            (-batch["inputs_embeds"]).sum().backward()
+            pipe.checkpoint()
+    return path
+
+
+def test_info_lists_the_checkpoints_and_describes_an_older_one(tmp_path, capsys):
+    path = _trained(tmp_path)
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "step            4" in out and "keep            3" in out
+    assert out.count("step 2 (") == 1 and "step 4 (" in out and "step 1 (" not in out
+    assert main(["info", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert [c["step"] for c in info["checkpoints"]] == [2, 3, 4]
+    assert main(["info", str(path), "--step", "3"]) == 0
+    assert "step            3" in capsys.readouterr().out
+
+
+def test_export_of_an_older_step(tmp_path, capsys):
+    path = _trained(tmp_path)
+    assert main(["export", str(path), str(tmp_path / "s2.npy"), "--step", "2"]) == 0
+    assert "at step 2" in capsys.readouterr().out
+    assert np.load(tmp_path / "s2.npy")[0:2].tolist() == [[1.0] * 4, [1.0] * 4]  # ids 0 and 1
+    assert np.load(tmp_path / "s2.npy")[2].tolist() == [0.0] * 4  # id 2 is step 3's
+    assert main(["export", str(path), str(tmp_path / "s1.npy"), "--step", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no checkpoint at step 1; it has steps [2, 3, 4]" in err
+
+
+def test_export_into_the_tables_own_folder_is_refused(tmp_path, capsys):
+    path = _trained(tmp_path)
+    assert main(["export", str(path), str(path / "out.npy")]) == 1
+    assert "inside the table" in capsys.readouterr().err
+    assert not (path / "out.npy").exists()
+
+
+def test_a_table_whose_making_did_not_finish_says_so(tmp_path, capsys):
+    path = _trained(tmp_path)
+    shutil.rmtree(path / "checkpoints")  # as if killed before the first commit
+    assert main(["info", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "making the table did not finish" in err and str(path) in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -255,3 +256,191 @@ def test_unbatched_loading(path):
     with EmbeddingPipe(path, cache_rows=10) as pipe:
         batches = list(pipe.loader(samples(3), batch_size=None))
     assert batches[0]["inputs_embeds"].shape == (3, D)
+
+
+# ----------------------------------------------------------------------------- interruptions
+class _InterruptOncePut:
+    """Stands for the writeback queue; its next put raises KeyboardInterrupt, as a Ctrl-C landing
+    between the step count and the queue put would."""
+
+    def __init__(self, queue) -> None:
+        self.queue, self.armed = queue, True
+
+    def put(self, item) -> None:
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        self.queue.put(item)
+
+    def __getattr__(self, name):
+        return getattr(self.queue, name)
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_inside_submit_neither_hangs_nor_loses_the_pipe(path):
+    pipe = EmbeddingPipe(path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=1.0))
+    writeback = getattr(pipe, "_owner", pipe).writeback
+    batches = iter(pipe.loader(samples(10), batch_size=2))
+    (-next(batches)["inputs_embeds"]).sum().backward()  # step 1
+    writeback._queue = _InterruptOncePut(writeback._queue)
+    with pytest.raises(KeyboardInterrupt):
+        (-next(batches)["inputs_embeds"]).sum().backward()  # counted, never queued
+    with pytest.warns(RuntimeWarning, match="interrupted before they were queued"):
+        batch = next(batches)  # waits for the writeback: must notice, not hang
+    (-batch["inputs_embeds"]).sum().backward()
+    for batch in batches:
+        (-batch["inputs_embeds"]).sum().backward()
+    pipe.close()
+    assert embedpipe.Table.open(path).step == 4  # 5 batches, the interrupted one not applied
+
+
+def _raise_at_line(function: str, source: str, after: int):
+    """A trace function that raises inside ``function`` (of embedpipe/cache.py) when it is about
+    to run the line ``source``, on the ``after``-th time: what a debugger's trace function (or
+    a signal handler) can do between any two lines."""
+    seen = [0]
+
+    def local(frame, event, arg):
+        if event == "line":
+            import linecache
+
+            if linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip() == source:
+                seen[0] += 1
+                if seen[0] == after:
+                    raise RuntimeError(f"interrupted in {function}")
+        return local
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_name == function and frame.f_code.co_filename.endswith("cache.py"):
+            return local
+        return None
+
+    return tracer
+
+
+def _train_in_two_parts(path, data, split, tracer=None):
+    """Train on data[:split] then data[split:] with 2 workers; with ``tracer`` set during the
+    first part, the batch it interrupts is retried in the second part (as a user re-running the
+    loop would)."""
+    import sys
+
+    with EmbeddingPipe(path, cache_rows=12, optimizer=embedpipe.optim.Adagrad(lr=0.5)) as pipe:
+        done = 0
+        sys.settrace(tracer)
+        try:
+            for batch in pipe.loader(data[:split], batch_size=4, num_workers=2):
+                (batch["inputs_embeds"] ** 2).sum().backward()
+                done += 4
+        except RuntimeError as e:
+            assert "interrupted in" in str(e)
+        finally:
+            sys.settrace(None)
+        for batch in pipe.loader(data[done:], batch_size=4, num_workers=2):
+            (batch["inputs_embeds"] ** 2).sum().backward()
+    return embedpipe.Table.open(path).to_tensor()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("function", "line"),
+    [("put", "self.rows[slots] = rows"), ("clear", "self.slot_id[slots] = -1")],
+)
+def test_an_exception_inside_a_cache_change_leaves_training_exact(tmp_path, function, line):
+    rng = np.random.default_rng(0)
+    data = [{"input_ids": torch.from_numpy((rng.zipf(1.3, 6) - 1) % V)} for _ in range(160)]
+    weight = np.arange(V * D, dtype=np.float32).reshape(V, D) / 100
+    results = []
+    for name, tracer in (("plain", None), ("cut", _raise_at_line(function, line, after=3))):
+        embedpipe.Table.from_tensor(tmp_path / f"{name}.zarr", weight, chunk_rows=16).close()
+        split = 40 if tracer is None else 160
+        results.append(_train_in_two_parts(tmp_path / f"{name}.zarr", data, split, tracer))
+    assert torch.equal(results[0], results[1])
+
+
+def _train_direct(weight, batches, steps, lr=0.5):
+    """nn.Embedding + torch Adagrad on the loss of test_a_failed_state_write..., in memory."""
+    embedding = torch.nn.Embedding(V, D, _weight=torch.from_numpy(weight.copy()))
+    optimizer = torch.optim.Adagrad(embedding.parameters(), lr=lr)
+    for ids in batches[:steps]:
+        (embedding(ids) ** 2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return embedding.weight.detach(), optimizer.state[embedding.weight]["sum"]
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_state_write_inside_a_step_never_leaves_half_a_step(path, monkeypatch):
+    from embedpipe import rowstore
+
+    weight = embedpipe.Table.open(path).to_tensor().numpy()
+    data = samples(16)
+    batches = [torch.stack([s["input_ids"] for s in data[i : i + 2]]) for i in range(0, 16, 2)]
+    write = rowstore.RawRows.write
+    calls = []
+
+    def state_write_fails_at_step_5(self, ids, rows):
+        if self.root.endswith("sum"):
+            calls.append(1)
+            if len(calls) == 5:  # the weights of step 5 are written, its state is not
+                raise OSError(errno.ENOSPC, "No space left on device", self.root)
+        return write(self, ids, rows)
+
+    monkeypatch.setattr(rowstore.RawRows, "write", state_write_fails_at_step_5)
+    pipe = EmbeddingPipe(path, cache_rows=0, optimizer=embedpipe.optim.Adagrad(lr=0.5))
+    with pytest.raises(OSError, match=r"step 5.*No space left on device") as raised:
+        with pipe:
+            for batch in pipe.loader(data, batch_size=2):
+                (batch["inputs_embeds"] ** 2).sum().backward()
+    assert raised.value.errno == errno.ENOSPC
+    table = embedpipe.Table.open(path)
+    expected, expected_sum = _train_direct(weight, batches, table.step)
+    assert table.step == 4  # steps 1-4 committed, none of step 5
+    assert torch.equal(table.to_tensor(), expected)
+    assert torch.equal(torch.from_numpy(table.read(np.arange(V), "sum")), expected_sum)
+
+
+@pytest.mark.timeout(60)
+def test_close_gives_up_on_a_writeback_that_hangs(path):
+    import threading
+
+    release = threading.Event()
+
+    @dataclass(frozen=True)
+    class HangingSGD(embedpipe.optim.SGD):
+        def update(self, rows, grad, state, step):
+            if step == 2:
+                release.wait(30)  # a table write that never returns
+            super().update(rows, grad, state, step)
+
+    pipe = EmbeddingPipe(
+        path, cache_rows=10, optimizer=HangingSGD(lr=1.0), consistency="bounded", max_staleness=5
+    )
+    for batch in pipe.loader(samples(6), batch_size=2):
+        (-batch["inputs_embeds"]).sum().backward()
+    pipe._owner.writeback.stall_seconds = 0.5
+    started = time.monotonic()
+    with pytest.raises(WritebackError, match="applied nothing for"):
+        pipe.close()
+    assert time.monotonic() - started < 20
+    release.set()
+    pipe._owner.writeback._thread.join(10)
+    assert embedpipe.Table.open(path).step == 0  # nothing half-written was committed
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_killed_at_random_points_raises_within_bounded_time(path):
+    import psutil
+
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        with EmbeddingPipe(path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=0.1)) as pipe:
+            loader = pipe.loader(samples(4000), batch_size=2, num_workers=2)
+            killed_at, kill_at = None, int(rng.integers(5, 40))
+            with pytest.raises(RuntimeError, match=r"worker \(pid \d+\)"):
+                for k, batch in enumerate(loader):
+                    (-batch["inputs_embeds"]).sum().backward()
+                    if k == kill_at:
+                        victim = psutil.Process().children()[int(rng.integers(0, 2))]
+                        os.kill(victim.pid, signal.SIGKILL)
+                        killed_at = time.monotonic()
+            assert killed_at is not None and time.monotonic() - killed_at < 30

@@ -1,0 +1,141 @@
+"""One owner per table, and a pipe's lifecycle: claimed, closed (again after a failure), or
+dropped and collected, which still commits its steps and releases the table."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import subprocess
+import sys
+import textwrap
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+import embedpipe
+from embedpipe import errors
+from embedpipe.pipe import EmbeddingPipe
+
+V, D = 100, 4
+
+
+@pytest.fixture
+def path(tmp_path):
+    weight = np.arange(V * D, dtype=np.float32).reshape(V, D) / 100
+    embedpipe.Table.from_tensor(tmp_path / "t.zarr", weight, chunk_rows=16).close()
+    return tmp_path / "t.zarr"
+
+
+def samples(n: int) -> list[dict]:
+    return [{"input_ids": torch.tensor([i % V, (3 * i) % V, 7])} for i in range(n)]
+
+
+def train(pipe, n_batches: int) -> None:
+    for batch in pipe.loader(samples(2 * n_batches), batch_size=2):
+        (-batch["inputs_embeds"]).sum().backward()
+
+
+def sgd() -> embedpipe.optim.SGD:
+    return embedpipe.optim.SGD(lr=1.0)
+
+
+def test_a_second_pipe_on_one_table_object_is_refused_naming_the_first(path):
+    table = embedpipe.Table.open(path, "r+")  # as a notebook cell re-run does
+    first = EmbeddingPipe(table, cache_rows=10, optimizer=sgd())
+    train(first, 4)
+    with pytest.raises(errors.TableOwnedError, match=r"EmbeddingPipe made at .*test_owner\.py:\d+"):
+        EmbeddingPipe(table, cache_rows=10, optimizer=sgd())
+    first.close()
+    with EmbeddingPipe(table, cache_rows=10, optimizer=sgd()) as second:  # now it may
+        train(second, 4)
+    table.close()
+    assert embedpipe.Table.open(path).step == 8  # both runs' steps, none lost
+
+
+def test_table_close_and_writes_under_a_live_pipe_are_refused(path):
+    table = embedpipe.Table.open(path, "r+")
+    pipe = EmbeddingPipe(table, cache_rows=10, optimizer=sgd())
+    train(pipe, 3)
+    for attempt in (
+        table.close,
+        lambda: table.write([1], np.zeros((1, D), np.float32)),
+        lambda: table.update_metadata(step=99),
+        lambda: table.add_state("m", 0.0),
+        table.checkpoint,
+    ):
+        with pytest.raises(errors.TableOwnedError, match="EmbeddingPipe made at"):
+            attempt()
+    pipe.close()  # the pipe still owns a working table: its rows reach disk
+    table.close()
+    reopened = embedpipe.Table.open(path)
+    assert reopened.step == 3 and not np.array_equal(reopened.read([0]), np.zeros((1, D)))
+
+
+def test_close_can_be_called_again_after_a_failed_commit(path, monkeypatch):
+    from embedpipe import checkpoints
+
+    commit = checkpoints.commit
+    failures = []
+
+    def full_disk_once(*args, **kwargs):
+        if not failures:
+            failures.append(1)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return commit(*args, **kwargs)
+
+    pipe = EmbeddingPipe(path, cache_rows=10, optimizer=sgd())
+    train(pipe, 5)
+    monkeypatch.setattr(checkpoints, "commit", full_disk_once)
+    with pytest.raises(OSError, match=rf"{path}.* step 5.*No space left") as raised:
+        pipe.close()
+    assert raised.value.errno == errno.ENOSPC
+    assert embedpipe.Table.open(path).step == 0  # the last checkpoint, whole
+    pipe.close()  # space freed: the retry commits
+    assert embedpipe.Table.open(path).step == 5
+    embedpipe.Table.open(path, "r+").close()  # and the table is released
+
+
+def test_a_dropped_pipe_is_collected_commits_its_steps_and_releases_the_table(path):
+    pipe = EmbeddingPipe(path, cache_rows=10, optimizer=sgd())
+    loader = pipe.loader(samples(6), batch_size=2)
+    for batch in loader:
+        (-batch["inputs_embeds"]).sum().backward()
+    alive = weakref.ref(pipe)
+    with pytest.warns(ResourceWarning, match="was not closed"):
+        del pipe, loader, batch
+        gc.collect()
+    assert alive() is None
+    embedpipe.Table.open(path, "r+").close()  # not locked any more
+    reopened = embedpipe.Table.open(path)
+    assert reopened.step == 3 and reopened.read([7])[0, 0] > 7 * D / 100  # row 7 trained
+
+
+def test_a_pipe_alive_at_interpreter_exit_commits_its_steps(path):
+    script = textwrap.dedent(
+        f"""
+        import torch, embedpipe
+        pipe = embedpipe.EmbeddingPipe({str(path)!r}, cache_rows=10,
+                                       optimizer=embedpipe.optim.SGD(lr=1.0))
+        data = [{{"input_ids": torch.tensor([i % {V}, 7])}} for i in range(8)]
+        for batch in pipe.loader(data, batch_size=2, num_workers=2):
+            (-batch["inputs_embeds"]).sum().backward()
+        # no close(): the interpreter exits with the pipe alive
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-W", "default::ResourceWarning", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "ResourceWarning" in result.stderr and "was not closed" in result.stderr
+    assert embedpipe.Table.open(path).step == 4
+
+
+def test_writes_through_a_read_only_pipe_table_need_no_claim(path):
+    with EmbeddingPipe(path, cache_rows=10) as frozen, EmbeddingPipe(path, cache_rows=5) as again:
+        next(iter(frozen.loader(samples(2), batch_size=2)))
+        next(iter(again.loader(samples(2), batch_size=2)))
