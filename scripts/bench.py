@@ -1,6 +1,6 @@
 """Benchmark embedpipe against the alternatives, side by side in one run on the same token trace.
 
-What it measures (DESIGN.md section 7), all on one Zipf-like token trace (``--zipf`` exponent,
+What it measures, all on one Zipf-like token trace (``--zipf`` exponent,
 ids permuted so that popular rows are spread over the table; batches of ``--batch-size`` x
 ``--seq-len`` tokens):
 
