@@ -16,10 +16,10 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+from multiprocessing import reduction
 from typing import Any
 
 import numpy as np
-from multiprocessing import reduction
 
 
 def _anonymous_fd(size: int) -> int:

@@ -6,7 +6,6 @@ import multiprocessing as mp
 
 import numpy as np
 import pytest
-import torch
 
 from embedpipe.cache import RowCache, SharedRows
 from embedpipe.policy import LRU
