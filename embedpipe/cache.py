@@ -170,7 +170,9 @@ class Update:
     state: dict[str, np.ndarray]
 
     def copy(self) -> Update:
-        return Update(self.ids, self.slots, self.rows.copy(), {k: v.copy() for k, v in self.state.items()})
+        return Update(
+            self.ids, self.slots, self.rows.copy(), {k: v.copy() for k, v in self.state.items()}
+        )
 
 
 class RowCache:
@@ -308,9 +310,7 @@ class RowCache:
         try:
             self._store(ids, before.rows[rest], {k: v[rest] for k, v in before.state.items()})
         except BaseException as again:
-            self._broken = (
-                f"an optimizer step's table write failed ({error}) and could not be undone ({again})"
-            )
+            self._broken = f"an optimizer step's table write failed ({error}) and could not be undone ({again})"
 
     def unpin(self, update: Update) -> None:
         """Release the slots of a step that failed between :meth:`gather` and :meth:`scatter`."""

@@ -98,7 +98,11 @@ def write_all(fd: int, data: Any, offset: int | None = None) -> None:
     view = memoryview(data).cast("B")
     done = 0
     while done < len(view):
-        n = os.write(fd, view[done:]) if offset is None else os.pwrite(fd, view[done:], offset + done)
+        n = (
+            os.write(fd, view[done:])
+            if offset is None
+            else os.pwrite(fd, view[done:], offset + done)
+        )
         if n <= 0:
             raise OSError(errno.ENOSPC, "no bytes written (disk full?)")
         done += n
@@ -137,9 +141,7 @@ def checkpoints(root: str) -> list[Checkpoint]:
                 stamp = read_attributes(path).get("embedpipe", {}).get("checkpoint", {})
             except (OSError, ValueError):
                 stamp = {}
-            found.append(
-                Checkpoint(int(match[1]), int(match[2]), path, str(stamp.get("time", "")))
-            )
+            found.append(Checkpoint(int(match[1]), int(match[2]), path, str(stamp.get("time", ""))))
     return sorted(found, key=lambda c: c.seq)
 
 

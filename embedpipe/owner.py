@@ -139,7 +139,9 @@ class Owner:
                     "Lower the learning rate, clip gradients or check the loss; "
                     "check_finite=False skips this check"
                 )
-        self.pending.append((unique_ids, grad.detach().to("cpu", getattr(torch, self.table.dtype.name))))
+        self.pending.append(
+            (unique_ids, grad.detach().to("cpu", getattr(torch, self.table.dtype.name)))
+        )
         if len(self.pending) >= self.grad_accumulation:
             self.submit()
 

@@ -89,9 +89,7 @@ class EmbeddingPipe:
             )
         try:
             if padding_idx is not None and not 0 <= padding_idx < table.num_rows:
-                raise ValueError(
-                    f"padding_idx must be in [0, {table.num_rows}), got {padding_idx}"
-                )
+                raise ValueError(f"padding_idx must be in [0, {table.num_rows}), got {padding_idx}")
             if optimizer is not None:
                 table._claim(_describe_creator())
             try:
@@ -190,7 +188,9 @@ class EmbeddingPipe:
         """
         folder = os.path.abspath(os.path.expanduser(folder))
         if os.path.exists(folder):
-            raise TableExistsError(f"{folder} already exists; save the checkpoint into a new folder")
+            raise TableExistsError(
+                f"{folder} already exists; save the checkpoint into a new folder"
+            )
         return self._owner.save(folder)
 
     def load_checkpoint(self, folder: str | os.PathLike[str]) -> None:

@@ -98,7 +98,9 @@ class ZarrRows:
                 try:
                     self.read_chunk(chunk)
                 except Exception:
-                    raise self._damaged(chunk, f"cannot be decoded ({type(e).__name__}: {e})") from e
+                    raise self._damaged(
+                        chunk, f"cannot be decoded ({type(e).__name__}: {e})"
+                    ) from e
             raise
         return np.asarray(rows)[inverse]
 
@@ -301,7 +303,9 @@ class RawRows(ZarrRows):
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
             with open(tmp, "wb") as f:
-                write_all(f.fileno(), np.ascontiguousarray(rows, dtype=self.dtype.newbyteorder("<")))
+                write_all(
+                    f.fileno(), np.ascontiguousarray(rows, dtype=self.dtype.newbyteorder("<"))
+                )
         except BaseException:
             unlink(tmp)
             raise
@@ -319,4 +323,3 @@ def row_access(array: zarr.Array, *, complete: bool = True) -> ZarrRows:
     if root is None:
         return ZarrRows(array, complete=complete)
     return RawRows(array, root, complete=complete)
-

@@ -42,7 +42,9 @@ class SharedBlock:
     """
 
     def __init__(self, layout: dict[str, tuple[tuple[int, ...], Any, float]]) -> None:
-        self.layout = {name: (tuple(shape), np.dtype(dtype)) for name, (shape, dtype, _) in layout.items()}
+        self.layout = {
+            name: (tuple(shape), np.dtype(dtype)) for name, (shape, dtype, _) in layout.items()
+        }
         self.fd = _anonymous_fd(max(1, self._size()))
         self._map()
         for name, (_, _, fill) in layout.items():

@@ -536,15 +536,7 @@ class Table:
     # ----------------------------------------------------------------------------- owner
     def _claim(self, owner: str) -> None:
         """Make ``owner`` (a live pipe, described) the only writer through this object."""
-        if self._owner is not None:
-            raise TableOwnedError(
-                f"table {self.path} already belongs to {self._owner}; close that pipe "
-                "(pipe.close(), or leave its `with` block) before making another one on this table"
-            )
-        if self._lock is None:
-            raise ReadOnlyTableError(
-                f"table {self.path} is open read-only; open it with Table.open(path, mode='r+') to train it"
-            )
+        self._check_writable("making another pipe on this table")
         self._owner = owner
 
     def _release_claim(self) -> None:
@@ -558,9 +550,7 @@ class Table:
         Refused while an :class:`~embedpipe.EmbeddingPipe` owns the table: close the pipe first.
         """
         if self._owner is not None:
-            raise TableOwnedError(
-                f"table {self.path} belongs to {self._owner}; close the pipe first (pipe.close())"
-            )
+            self._check_writable("closing the table")
         if self._pin is not None:
             self._pin.release()
         if self._lock is not None:
@@ -626,11 +616,11 @@ class Table:
                 (start + offset) // array.chunk_rows, block[offset : offset + array.chunk_rows]
             )
 
-    def _check_writable(self) -> None:
+    def _check_writable(self, doing: str = "writing through the table") -> None:
         if self._owner is not None:
             raise TableOwnedError(
-                f"table {self.path} belongs to {self._owner}, which is its only writer: "
-                "write through the pipe, or close it first"
+                f"table {self.path} belongs to {self._owner}, its only writer; close that pipe "
+                f"(pipe.close(), or leave its `with` block) before {doing}"
             )
         if self._lock is None:
             raise ReadOnlyTableError(
@@ -654,7 +644,9 @@ def _read_table_metadata(path: str) -> dict[str, Any]:
             "`embedpipe import` or Table.create(...)"
         ) from None
     except (OSError, ValueError) as e:
-        raise TableFormatError(f"{path} is not an embedpipe table: unreadable zarr.json ({e})") from None
+        raise TableFormatError(
+            f"{path} is not an embedpipe table: unreadable zarr.json ({e})"
+        ) from None
     meta = attributes.get("embedpipe")
     if not isinstance(meta, dict):
         raise TableFormatError(
@@ -685,7 +677,8 @@ def _upgrade_format_1(path: str, meta: dict[str, Any]) -> None:
         os.unlink(lock_file)
     upgraded = {**meta, "format_version": FORMAT_VERSION, "keep": meta.get("keep", DEFAULT_KEEP)}
     checkpoints.write_file(
-        os.path.join(path, checkpoints.METADATA), checkpoints.group_metadata({"embedpipe": upgraded})
+        os.path.join(path, checkpoints.METADATA),
+        checkpoints.group_metadata({"embedpipe": upgraded}),
     )
     checkpoints.commit(path, upgraded, int(upgraded.get("step", 0)), upgraded["keep"])
     meta.update(upgraded)

@@ -69,7 +69,9 @@ def reference(weight: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, to
             table_opt.zero_grad()
             dense_opt.zero_grad()
             total = table_opt.state[embedding.weight]["sum"]
-            states.append((embedding.weight.detach().clone(), total.clone(), dense.detach().clone()))
+            states.append(
+                (embedding.weight.detach().clone(), total.clone(), dense.detach().clone())
+            )
     return states
 
 
@@ -107,7 +109,11 @@ def train(path: str, every: int, resume: bool, die_at: str | None) -> None:
     with embedpipe.EmbeddingPipe(table, cache_rows=V // 20, optimizer=optimizer, keep=2) as pipe:
         step = start
         for epoch in range(start // STEPS_PER_EPOCH, EPOCHS):
-            skip = (start - epoch * STEPS_PER_EPOCH) * BATCH if epoch == start // STEPS_PER_EPOCH else 0
+            skip = (
+                (start - epoch * STEPS_PER_EPOCH) * BATCH
+                if epoch == start // STEPS_PER_EPOCH
+                else 0
+            )
             loader = pipe.loader(data, batch_size=BATCH, sampler=order(epoch)[skip:], num_workers=2)
             for batch in loader:
                 loss_of(batch["inputs_embeds"], dense).backward()

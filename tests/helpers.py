@@ -136,6 +136,37 @@ def train_offloaded(
     return table.to_tensor(), model, stats, table
 
 
+def adagrad_reference(weight: np.ndarray, batches: list[torch.Tensor], steps: int, lr: float = 0.5):
+    """nn.Embedding + torch Adagrad on the loss sum(embeds**2), one step per batch of ids, for
+    ``steps`` batches: the table and Adagrad's ``sum``."""
+    embedding = torch.nn.Embedding(*weight.shape, _weight=torch.from_numpy(weight.copy()))
+    optimizer = torch.optim.Adagrad(embedding.parameters(), lr=lr)
+    for ids in batches[:steps]:
+        (embedding(ids) ** 2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    total = optimizer.state[embedding.weight]["sum"] if steps else torch.zeros(weight.shape)
+    return embedding.weight.detach(), total
+
+
+SMALL_V, SMALL_D = 100, 4
+
+
+def small_table(folder) -> str:
+    """A 100 x 4 table whose row i is i*4 .. i*4+3, over 100, in chunks of 16 rows; its path."""
+    weight = np.arange(SMALL_V * SMALL_D, dtype=np.float32).reshape(SMALL_V, SMALL_D) / 100
+    embedpipe.Table.from_tensor(folder / "t.zarr", weight, chunk_rows=16).close()
+    return folder / "t.zarr"
+
+
+def small_samples(n: int, bad: dict[int, int] | None = None) -> list[dict]:
+    """``n`` samples of 3 ids for :func:`small_table`; ``bad`` puts an id at sample index."""
+    out = [{"input_ids": torch.tensor([i % SMALL_V, (3 * i) % SMALL_V, 7])} for i in range(n)]
+    for index, value in (bad or {}).items():
+        out[index]["input_ids"] = torch.tensor([1, value, 2])
+    return out
+
+
 def same_dense_params(a, b) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return all(torch.equal(sa[k], sb[k]) for k in sa if "word_embeddings" not in k)

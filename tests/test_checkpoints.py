@@ -21,6 +21,8 @@ import embedpipe
 from embedpipe import checkpoints, errors
 from embedpipe.pipe import EmbeddingPipe
 
+from .helpers import adagrad_reference
+
 V, D = 200, 8
 
 
@@ -41,15 +43,8 @@ def batches(n: int, seed: int = 0) -> list[dict]:
 
 
 def reference(weight: np.ndarray, data: list[dict], steps: int):
-    """nn.Embedding + torch Adagrad, one step per sample, loss sum(embeds**2): table and sum."""
-    embedding = torch.nn.Embedding(V, D, _weight=torch.from_numpy(weight.copy()))
-    optimizer = torch.optim.Adagrad(embedding.parameters(), lr=0.5)
-    for sample in data[:steps]:
-        (embedding(sample["input_ids"][None]) ** 2).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    total = optimizer.state[embedding.weight]["sum"] if steps else torch.zeros(V, D)
-    return embedding.weight.detach(), total
+    """nn.Embedding + torch Adagrad, one step per sample (as ``train`` does): table and sum."""
+    return adagrad_reference(weight, [s["input_ids"][None] for s in data], steps)
 
 
 def train(pipe, data: list[dict], checkpoint_every: int | None = None) -> None:
@@ -119,7 +114,9 @@ def test_keep_and_older_steps(path, weight):
     table = embedpipe.Table.open(path)
     assert [c.step for c in table.checkpoints] == [6, 8]  # close() found nothing new to commit
     assert_table(embedpipe.Table.open(path, step=6), reference(weight, data, 6))
-    with pytest.raises(errors.TableNotFoundError, match=r"no checkpoint at step 4; it has steps \[6, 8\]"):
+    with pytest.raises(
+        errors.TableNotFoundError, match=r"no checkpoint at step 4; it has steps \[6, 8\]"
+    ):
         embedpipe.Table.open(path, step=4)
 
 
@@ -215,7 +212,9 @@ def test_a_commit_makes_data_and_folders_durable_before_its_rename(path, monkeyp
         monkeypatch.setattr(os, "fsync", recording_fsync)
         monkeypatch.setattr(os, "rename", recording_rename)
         checkpoint = table.checkpoint()
-    commit = next(i for i, (kind, p) in enumerate(events) if kind == "rename" and p == checkpoint.path)
+    commit = next(
+        i for i, (kind, p) in enumerate(events) if kind == "rename" and p == checkpoint.path
+    )
     before = {p for kind, p in events[:commit] if kind == "fsync"}
     after = {p for kind, p in events[commit:] if kind == "fsync"}
     assert os.path.join(path, "weight", "c", "0", "0") in before  # the row written
@@ -237,8 +236,9 @@ def small_disk(tmp_path):
     """A 3 MiB filesystem of its own (tmpfs; needs root)."""
     folder = tmp_path / "disk"
     folder.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(folder)],
-                            capture_output=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(folder)], capture_output=True
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.decode().strip()}")
     yield folder
@@ -267,16 +267,11 @@ def test_a_full_disk_raises_naming_table_and_step_and_the_last_checkpoint_surviv
     assert str(path) in message and "step" in message and "last checkpoint" in message
     with pytest.raises(OSError):
         pipe.close()  # still full: the error again, and close() may be retried
-    embedding = torch.nn.Embedding(rows, dim, _weight=torch.from_numpy(weight.copy()))
-    optimizer = torch.optim.Adagrad(embedding.parameters(), lr=0.5)
-    for sample in data[:committed]:
-        (embedding(sample["input_ids"][None]) ** 2).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
     pipe._owner.table._abandon()  # let go of the lock without committing, as a crash would
     table = embedpipe.Table.open(path)
     assert table.step == committed
-    assert torch.equal(table.to_tensor(), embedding.weight.detach())  # the checkpoint, bit-equal
+    expected = reference(weight, data, committed)[0]
+    assert torch.equal(table.to_tensor(), expected)  # the checkpoint, bit-equal
 
 
 # ----------------------------------------------------------------------------- damage
@@ -298,7 +293,9 @@ def test_a_damaged_compressed_chunk_raises_naming_it(tmp_path, weight):
     checkpoint = embedpipe.Table.open(path).checkpoints[-1].path
     with open(os.path.join(checkpoint, "weight", "c", "2", "0"), "r+b") as f:
         f.write(b"garbage!")
-    with pytest.raises(errors.CorruptTableError, match=r"chunk 2 \(rows 32\.\.47\) .* cannot be decoded"):
+    with pytest.raises(
+        errors.CorruptTableError, match=r"chunk 2 \(rows 32\.\.47\) .* cannot be decoded"
+    ):
         embedpipe.Table.open(path).read([40])
 
 
@@ -324,7 +321,9 @@ def test_a_format_1_table_is_read_and_upgraded_when_opened_to_write(path, weight
 
 def test_a_checkpoint_folder_is_not_opened_as_a_table_of_its_own(path):
     checkpoint = embedpipe.Table.open(path).checkpoints[-1]
-    with pytest.raises(errors.TableFormatError, match=rf"a checkpoint inside a table.*step={checkpoint.step}"):
+    with pytest.raises(
+        errors.TableFormatError, match=rf"a checkpoint inside a table.*step={checkpoint.step}"
+    ):
         embedpipe.Table.open(checkpoint.path)
 
 

@@ -73,7 +73,9 @@ def _assert_at_reference(path, states, step):
     table, total, _ = states[step]
     reader = embedpipe.Table.open(path)
     assert reader.step == step
-    assert torch.equal(reader.to_tensor(), table), f"table differs from the reference at step {step}"
+    assert torch.equal(reader.to_tensor(), table), (
+        f"table differs from the reference at step {step}"
+    )
     if "sum" not in reader.state_names:  # killed before the first commit with the optimizer
         assert step == 0 and not total.any()
         return
@@ -130,6 +132,12 @@ def test_kills_at_fifty_random_points(tmp_path, reference, seed):
     rng = random.Random(seed)
     kind = rng.choice(("step", *KILL_SYSCALLS))
     # calls in a whole run (measured): link 778, fsync 1492, rename 15, pwrite 2544, copyfile 590
-    limits = {"step": crash_run.STEPS - 1, "link": 700, "fsync": 1400, "rename": 14,
-              "pwrite": 2400, "copyfile": 550}
+    limits = {
+        "step": crash_run.STEPS - 1,
+        "link": 700,
+        "fsync": 1400,
+        "rename": 14,
+        "pwrite": 2400,
+        "copyfile": 550,
+    }
     _crash_and_resume(tmp_path, reference, f"{kind}:{rng.randint(1, limits[kind])}")

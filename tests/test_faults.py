@@ -17,21 +17,15 @@ from embedpipe import errors
 from embedpipe.pipe import EmbeddingPipe
 from embedpipe.writeback import WritebackError
 
-V, D = 100, 4
+from .helpers import SMALL_D as D
+from .helpers import SMALL_V as V
+from .helpers import adagrad_reference, small_table
+from .helpers import small_samples as samples
 
 
 @pytest.fixture
 def path(tmp_path):
-    weight = np.arange(V * D, dtype=np.float32).reshape(V, D) / 100
-    embedpipe.Table.from_tensor(tmp_path / "t.zarr", weight, chunk_rows=16).close()
-    return tmp_path / "t.zarr"
-
-
-def samples(n: int, bad: dict[int, int] | None = None) -> list[dict]:
-    out = [{"input_ids": torch.tensor([i % V, (3 * i) % V, 7])} for i in range(n)]
-    for index, value in (bad or {}).items():
-        out[index]["input_ids"] = torch.tensor([1, value, 2])
-    return out
+    return small_table(tmp_path)
 
 
 class Crashing(torch.utils.data.Dataset):
@@ -357,17 +351,6 @@ def test_an_exception_inside_a_cache_change_leaves_training_exact(tmp_path, func
     assert torch.equal(results[0], results[1])
 
 
-def _train_direct(weight, batches, steps, lr=0.5):
-    """nn.Embedding + torch Adagrad on the loss of test_a_failed_state_write..., in memory."""
-    embedding = torch.nn.Embedding(V, D, _weight=torch.from_numpy(weight.copy()))
-    optimizer = torch.optim.Adagrad(embedding.parameters(), lr=lr)
-    for ids in batches[:steps]:
-        (embedding(ids) ** 2).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return embedding.weight.detach(), optimizer.state[embedding.weight]["sum"]
-
-
 @pytest.mark.timeout(120)
 def test_a_failed_state_write_inside_a_step_never_leaves_half_a_step(path, monkeypatch):
     from embedpipe import rowstore
@@ -393,7 +376,7 @@ def test_a_failed_state_write_inside_a_step_never_leaves_half_a_step(path, monke
                 (batch["inputs_embeds"] ** 2).sum().backward()
     assert raised.value.errno == errno.ENOSPC
     table = embedpipe.Table.open(path)
-    expected, expected_sum = _train_direct(weight, batches, table.step)
+    expected, expected_sum = adagrad_reference(weight, batches, table.step)
     assert table.step == 4  # steps 1-4 committed, none of step 5
     assert torch.equal(table.to_tensor(), expected)
     assert torch.equal(torch.from_numpy(table.read(np.arange(V), "sum")), expected_sum)

@@ -87,8 +87,12 @@ def test_ring_slots_are_fenced(trace):
 
 @pytest.mark.parametrize(
     ("machine", "libatomic", "mode"),
-    [("x86_64", True, "tso"), ("aarch64", True, "fence"), ("aarch64", False, "owner"),
-     ("riscv64", False, "owner")],
+    [
+        ("x86_64", True, "tso"),
+        ("aarch64", True, "fence"),
+        ("aarch64", False, "owner"),
+        ("riscv64", False, "owner"),
+    ],
 )
 def test_the_mode_follows_the_cpu(monkeypatch, machine, libatomic, mode):
     monkeypatch.setattr(ordering.platform, "machine", lambda: machine)

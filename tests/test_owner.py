@@ -12,24 +12,20 @@ import weakref
 
 import numpy as np
 import pytest
-import torch
 
 import embedpipe
 from embedpipe import errors
 from embedpipe.pipe import EmbeddingPipe
 
-V, D = 100, 4
+from .helpers import SMALL_D as D
+from .helpers import SMALL_V as V
+from .helpers import small_samples as samples
+from .helpers import small_table
 
 
 @pytest.fixture
 def path(tmp_path):
-    weight = np.arange(V * D, dtype=np.float32).reshape(V, D) / 100
-    embedpipe.Table.from_tensor(tmp_path / "t.zarr", weight, chunk_rows=16).close()
-    return tmp_path / "t.zarr"
-
-
-def samples(n: int) -> list[dict]:
-    return [{"input_ids": torch.tensor([i % V, (3 * i) % V, 7])} for i in range(n)]
+    return small_table(tmp_path)
 
 
 def train(pipe, n_batches: int) -> None:

@@ -41,7 +41,9 @@ def test_an_owner_killed_while_its_cache_is_allocated_leaves_nothing_behind(tmp_
     # Kill as soon as a segment shows in /dev/shm (torch's share_memory_ makes one, fills it,
     # and only then unlinks it), or after the delay: early in the set-up, or once it is done.
     for delay in (0.05, 0.3, 3.0):
-        process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        process = subprocess.Popen(
+            [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True
+        )
         assert process.stdout.readline().strip() == "allocating"
         deadline = time.monotonic() + delay
         while time.monotonic() < deadline and not (_shm_entries() - before):
