@@ -10,8 +10,10 @@ pipe the user drops (a re-run notebook cell, a function that returns without ``c
 collected like any object. When it is, a ``weakref.finalize`` closes the owner, as an unclosed
 file flushes: the applied steps and the cached rows are committed as a checkpoint and the table
 is released, with a ``ResourceWarning``. The same finalizer runs at interpreter exit for a pipe
-still alive then (its atexit hook is registered after zarr's, so it runs first); the commit uses
-plain file calls, not zarr's event loop.
+still alive then, from ``threading._register_atexit``: the hook ``concurrent.futures`` uses to
+shut its executors down, which runs before ``atexit`` hooks and after ours (last registered,
+first run), so a compressed table can still be written through zarr's executor. The commit of an
+uncompressed table uses plain file calls only.
 """
 
 from __future__ import annotations
@@ -121,6 +123,9 @@ class EmbeddingPipe:
         self.optimizer = optimizer
         self.consistency = consistency
         self._finalizer = weakref.finalize(self, _close_unclosed, self._owner, repr(self))
+        self._finalizer.atexit = False  # _close_all_at_exit does it, earlier
+        _unclosed.difference_update([f for f in _unclosed if not f.alive])
+        _unclosed.add(self._finalizer)
 
     # ------------------------------------------------------------------------- public
     def loader(
@@ -236,6 +241,23 @@ class EmbeddingPipe:
             f"EmbeddingPipe({self.table.path!r}, cache_rows={owner.shared.cache_rows}, "
             f"optimizer={self.optimizer}, consistency={self.consistency!r})"
         )
+
+
+#: Finalizers of the pipes made (a dead one, of a pipe closed or collected, does nothing).
+_unclosed: set[weakref.finalize] = set()
+
+
+def _close_all_at_exit() -> None:
+    for finalizer in list(_unclosed):
+        finalizer()
+
+
+try:
+    threading._register_atexit(_close_all_at_exit)  # before concurrent.futures shuts down
+except (AttributeError, RuntimeError):  # not CPython's threading, or already shutting down
+    import atexit
+
+    atexit.register(_close_all_at_exit)
 
 
 def _close_unclosed(owner: Owner, description: str) -> None:
