@@ -53,6 +53,10 @@ class WriterLock:
             ) from None
         _held.add(self)
 
+    def held(self) -> bool:
+        """Whether this process holds the lock (a forked child's copy does not)."""
+        return self.fd >= 0
+
     def release(self) -> None:
         if self.fd >= 0:
             fcntl.flock(self.fd, fcntl.LOCK_UN)

@@ -17,6 +17,7 @@ owner when the user closes it, or when it is collected (``pipe.py``).
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -55,6 +56,7 @@ class Owner:
         self.grad_accumulation = options["grad_accumulation"]
         self.check_finite = options["check_finite"]
         self.owns_table = owns_table
+        self.pid = os.getpid()  # a forked child inherits a copy of the owner, and owns nothing
         #: Workers read the shared cache and clock themselves, unless this CPU cannot order
         #: those reads (``ordering.py``): then the hand-off copies every row.
         self.workers_read_shared = ordering.MODE != "owner"
@@ -265,7 +267,7 @@ class Owner:
         if self.writeback is not None:
             self.writeback.wait()
         self.pending = []
-        with self.lock:
+        with self.lock, self.cache._guard(f"loading the snapshot {source.path}"):
             self.cache.reset()
             self.table._restore(source.root, self.optimizer)
             if self.writeback is not None:
@@ -289,19 +291,22 @@ class Owner:
             if self.pending and self.cache.broken is None:
                 try:
                     self.submit()  # the last, partial accumulation group
-                except WritebackError as e:
+                except (WritebackError, TableWriteError) as e:
                     error, self.pending = e, []
             try:
                 self.writeback.close()
             except (WritebackError, TableWriteError) as e:
                 error = error or e
         hung = self.writeback is not None and self.writeback.alive  # a write hangs: leave it
-        changed = self.table._modified or self.cache.dirty.any()
-        if not hung and self.cache.broken is None and changed:
-            self._commit()  # raises on a full disk: close() may be called again
+        if self.cache.broken is None and not hung:
+            changed = self.table._modified or self.cache.dirty.any()
+            if changed or self.applied_step != self.table.step:
+                self._commit()  # raises on a full disk: close() may be called again
+        elif not hung:
+            self.table._roll_back()  # nothing trustworthy to commit: back to the last checkpoint
         self.table._release_claim()
-        if self.writeback is not None and self.writeback.alive:
-            self.table._abandon()  # never commit under a thread that may still write
+        if hung:
+            self.table._abandon()  # never commit, nor roll back, under a thread still writing
         elif self.owns_table:
             self.table.close()
         self.closed = True

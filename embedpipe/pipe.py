@@ -244,7 +244,9 @@ class EmbeddingPipe:
 
 
 #: Finalizers of the pipes made (a dead one, of a pipe closed or collected, does nothing).
+#: A forked child (a DataLoader worker) starts with none: its copy of a pipe is not the owner.
 _unclosed: set[weakref.finalize] = set()
+os.register_at_fork(after_in_child=_unclosed.clear)
 
 
 def _close_all_at_exit() -> None:
@@ -262,7 +264,7 @@ except (AttributeError, RuntimeError):  # not CPython's threading, or already sh
 
 def _close_unclosed(owner: Owner, description: str) -> None:
     """The finalizer of a pipe dropped (or alive at exit) without close(); see the NOTE."""
-    if owner.closed:
+    if owner.closed or owner.pid != os.getpid():  # a forked child's copy owns nothing
         return
     if owner.writeback is not None and threading.current_thread() is owner.writeback._thread:
         # collected by a garbage collection that ran on the writeback thread: it cannot join

@@ -493,6 +493,11 @@ class Table:
 
     def _commit(self, step: int) -> Checkpoint:
         """Commit the live arrays as the checkpoint of ``step`` (NOTE [ Checkpoint commit ])."""
+        if self._lock is None or not self._lock.held():
+            raise ReadOnlyTableError(
+                f"table {self.path} is not open for writing in this process (pid {os.getpid()}); "
+                "only the process that opened it with mode='r+' commits checkpoints"
+            )
         meta = {**self._meta, "step": step}
         checkpoint = checkpoints.commit(self.path, meta, step, int(meta.get("keep", DEFAULT_KEEP)))
         self._update_metadata(step=step)
@@ -514,6 +519,14 @@ class Table:
                     self._add_state(name, fill)
             self._meta["optimizer"] = optimizer.config()
         return self._commit(self.step)
+
+    def _roll_back(self) -> None:
+        """Take the live arrays back to the latest checkpoint (what was written since is not to
+        be kept: an interrupted or failed change)."""
+        checkpoints.recover(self.path)
+        self._meta = _read_table_metadata(self.path)
+        self._open_root(self.path)
+        self._modified = False
 
     def _abandon(self) -> None:
         """Release the lock without committing (a write hangs in another thread)."""
@@ -567,7 +580,7 @@ class Table:
 
     def __del__(self) -> None:
         lock = getattr(self, "_lock", None)
-        if lock is not None:  # dropped without close(): what was not committed is not kept
+        if lock is not None and lock.held():  # dropped without close(): uncommitted writes go
             if getattr(self, "_modified", False):
                 warnings.warn(
                     f"Table {self.path} was dropped without close(): writes since its last "
@@ -676,11 +689,13 @@ def _upgrade_format_1(path: str, meta: dict[str, Any]) -> None:
     if os.path.exists(lock_file):
         os.unlink(lock_file)
     upgraded = {**meta, "format_version": FORMAT_VERSION, "keep": meta.get("keep", DEFAULT_KEEP)}
+    # First the checkpoint, then the live metadata: interrupted in between, the table still says
+    # format 1, and the next open upgrades it again.
+    checkpoints.commit(path, upgraded, int(upgraded.get("step", 0)), upgraded["keep"])
     checkpoints.write_file(
         os.path.join(path, checkpoints.METADATA),
         checkpoints.group_metadata({"embedpipe": upgraded}),
     )
-    checkpoints.commit(path, upgraded, int(upgraded.get("step", 0)), upgraded["keep"])
     meta.update(upgraded)
 
 

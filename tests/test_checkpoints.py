@@ -350,3 +350,49 @@ def test_debris_of_an_interrupted_commit_is_removed_on_open(path):
         ["zarr.json", *(os.path.basename(c.path) for c in checkpoints.checkpoints(str(path)))]
     )
     assert not os.path.exists(os.path.join(path, "weight", "c", "0", "0.123.tmp"))
+
+
+def test_a_load_checkpoint_that_fails_midway_commits_nothing(tmp_path, path, weight, monkeypatch):
+    data = batches(10)
+    folder = tmp_path / "snapshot"
+    link_or_copy = checkpoints._link_or_copy
+    calls = []
+
+    def full_disk_at_the_third_file(src, dst):
+        calls.append(dst)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", dst)
+        link_or_copy(src, dst)
+
+    with pytest.raises(OSError, match="No space left"), adagrad_pipe(path) as pipe:
+        train(pipe, data[:2])
+        pipe.save_checkpoint(folder)  # step 2, committed
+        train(pipe, data[2:5])
+        monkeypatch.setattr(checkpoints, "_link_or_copy", full_disk_at_the_third_file)
+        pipe.load_checkpoint(folder)  # half restored: nothing of it may be committed
+    monkeypatch.undo()
+    table = embedpipe.Table.open(path)
+    assert table.step == 2  # the last real checkpoint, whole
+    assert_table(table, reference(weight, data, 2))
+    with embedpipe.Table.open(path, "r+") as again:
+        assert_table(again, reference(weight, data, 2))
+
+
+def test_an_interrupted_format_1_upgrade_is_done_again(path, weight, monkeypatch):
+    shutil.rmtree(os.path.join(path, "checkpoints"))
+    with open(os.path.join(path, "zarr.json")) as f:
+        meta = json.load(f)
+    meta["attributes"]["embedpipe"]["format_version"] = 1
+    with open(os.path.join(path, "zarr.json"), "w") as f:
+        json.dump(meta, f)
+    commit = checkpoints.commit
+    monkeypatch.setattr(
+        checkpoints, "commit", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full"))
+    )
+    with pytest.raises(OSError, match="full"):
+        embedpipe.Table.open(path, "r+")
+    monkeypatch.setattr(checkpoints, "commit", commit)
+    np.testing.assert_array_equal(embedpipe.Table.open(path).to_tensor(), weight)
+    with embedpipe.Table.open(path, "r+") as table:
+        assert table.metadata["format_version"] == 2
+    np.testing.assert_array_equal(embedpipe.Table.open(path).to_tensor(), weight)

@@ -427,3 +427,33 @@ def test_a_worker_killed_at_random_points_raises_within_bounded_time(path):
                         os.kill(victim.pid, signal.SIGKILL)
                         killed_at = time.monotonic()
             assert killed_at is not None and time.monotonic() - killed_at < 30
+
+
+def test_a_pipe_that_cannot_commit_leaves_the_last_checkpoint_as_it_was(path, monkeypatch):
+    # A full disk at step 4's state write, and the undo of its weights fails too: the pipe is
+    # broken. Closing it must not commit anything, under any step number.
+    from embedpipe import rowstore
+
+    weight = embedpipe.Table.open(path).to_tensor()
+    write = rowstore.RawRows.write
+    calls = []
+
+    def full_from_step_4(self, ids, rows):
+        calls.append(self.root)
+        if len(calls) >= 8:  # weights and state of steps 1-3 written, then nothing fits
+            raise OSError(errno.ENOSPC, "No space left on device", self.root)
+        return write(self, ids, rows)
+
+    monkeypatch.setattr(rowstore.RawRows, "write", full_from_step_4)
+    pipe = EmbeddingPipe(path, cache_rows=0, optimizer=embedpipe.optim.Adagrad(lr=0.5))
+    with pytest.raises(OSError):
+        for batch in pipe.loader(samples(20), batch_size=2):
+            (batch["inputs_embeds"] ** 2).sum().backward()
+    assert pipe._owner.cache.broken is not None
+    with pytest.raises(OSError):
+        pipe.close()
+    monkeypatch.undo()
+    table = embedpipe.Table.open(path)
+    assert [c.step for c in table.checkpoints] == [0]
+    assert torch.equal(table.to_tensor(), weight)
+    embedpipe.Table.open(path, "r+").close()  # released

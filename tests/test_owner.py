@@ -8,10 +8,12 @@ import gc
 import subprocess
 import sys
 import textwrap
+import time
 import weakref
 
 import numpy as np
 import pytest
+import torch
 
 import embedpipe
 from embedpipe import errors
@@ -19,8 +21,8 @@ from embedpipe.pipe import EmbeddingPipe
 
 from .helpers import SMALL_D as D
 from .helpers import SMALL_V as V
+from .helpers import adagrad_reference, small_table
 from .helpers import small_samples as samples
-from .helpers import small_table
 
 
 @pytest.fixture
@@ -139,3 +141,56 @@ def test_writes_through_a_read_only_pipe_table_need_no_claim(path):
     with EmbeddingPipe(path, cache_rows=10) as frozen, EmbeddingPipe(path, cache_rows=5) as again:
         next(iter(frozen.loader(samples(2), batch_size=2)))
         next(iter(again.loader(samples(2), batch_size=2)))
+
+
+# ----------------------------------------------------------------------------- forked workers
+def test_workers_that_exit_each_epoch_commit_nothing(path):
+    """A DataLoader worker is a forked copy of the owner: when it exits (each epoch, without
+    persistent_workers) it must not close its copy of the pipe, nor commit anything."""
+    weight = embedpipe.Table.open(path).to_tensor().numpy()
+    data = samples(40)
+    with EmbeddingPipe(path, cache_rows=20, optimizer=embedpipe.optim.Adagrad(lr=0.5)) as pipe:
+        loader = pipe.loader(data, batch_size=4, num_workers=1)
+        for _ in range(3):
+            for batch in loader:
+                (batch["inputs_embeds"] ** 2).sum().backward()
+            time.sleep(0.5)  # this epoch's worker has exited
+            assert [c.step for c in pipe.table.checkpoints] == [0]  # nothing committed by it
+    table = embedpipe.Table.open(path)
+    assert [c.step for c in table.checkpoints] == [0, 30]
+    batches = [torch.stack([s["input_ids"] for s in data[i : i + 4]]) for i in range(0, 40, 4)]
+    expected, total = adagrad_reference(weight, batches * 3, 30)
+    assert torch.equal(table.to_tensor(), expected)
+    assert torch.equal(torch.from_numpy(table.read(np.arange(V), "sum")), total)
+
+
+def test_a_trainer_killed_after_its_workers_exited_reopens_at_its_real_checkpoint(path):
+    weight = embedpipe.Table.open(path).to_tensor()
+    script = textwrap.dedent(
+        f"""
+        import os, signal, time, torch, embedpipe
+        pipe = embedpipe.EmbeddingPipe({str(path)!r}, cache_rows=20,
+                                       optimizer=embedpipe.optim.Adagrad(lr=0.5))
+        data = [{{"input_ids": torch.tensor([i % {V}, 7])}} for i in range(40)]
+        for batch in pipe.loader(data, batch_size=4, num_workers=1):
+            (batch["inputs_embeds"] ** 2).sum().backward()
+        time.sleep(0.5)  # the worker exits
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], timeout=120)
+    table = embedpipe.Table.open(path)
+    assert table.step == 0 and [c.step for c in table.checkpoints] == [0]
+    assert torch.equal(table.to_tensor(), weight)
+
+
+def test_steps_that_change_no_row_are_committed_too(path):
+    data = samples(8) + [{"input_ids": torch.zeros(3, dtype=torch.int64)}] * 4
+    with EmbeddingPipe(
+        path, cache_rows=20, optimizer=embedpipe.optim.Adam(lr=0.1), padding_idx=0
+    ) as pipe:
+        for k, batch in enumerate(pipe.loader(data, batch_size=4)):
+            (batch["inputs_embeds"] ** 2).sum().backward()
+            if k == 1:
+                pipe.checkpoint()  # step 2; step 3 only has the padding id: no row changes
+    assert embedpipe.Table.open(path).step == 3  # Adam's bias correction counts it
