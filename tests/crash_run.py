@@ -8,16 +8,15 @@ the table (which recovers its latest checkpoint), loads the dense state of ``tab
 goes on from that position in the data order. ``reference()`` trains the same thing with
 ``nn.Embedding`` and ``torch.optim.Adagrad`` in memory.
 
-``--die-at NAME:N`` makes the process SIGKILL itself at the N-th call of ``os.NAME`` (or of
-``shutil.copyfile``) once training has started: inside a checkpoint commit (link, fsync,
-rename), a row write (pwrite) or a copy-on-write (copyfile).
+``--die-at NAME:N`` makes the process SIGKILL itself at the N-th call of ``os.NAME`` once
+training has started: inside a checkpoint commit (link, fsync, rename), a row write (pwrite) or
+a chunk's copy-on-write (copy_file_range).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import sys
 
@@ -76,8 +75,7 @@ def reference(weight: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, to
 
 
 def _die_at(name: str, count: int) -> None:
-    module, attribute = (shutil, "copyfile") if name == "copyfile" else (os, name)
-    original = getattr(module, attribute)
+    original = getattr(os, name)
     calls = [0]
 
     def dying(*args, **kwargs):
@@ -87,7 +85,7 @@ def _die_at(name: str, count: int) -> None:
         return original(*args, **kwargs)
 
     owner_pid = os.getpid()
-    setattr(module, attribute, dying)
+    setattr(os, name, dying)
 
 
 def train(path: str, every: int, resume: bool, die_at: str | None) -> None:

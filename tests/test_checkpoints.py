@@ -396,3 +396,14 @@ def test_an_interrupted_format_1_upgrade_is_done_again(path, weight, monkeypatch
     with embedpipe.Table.open(path, "r+") as table:
         assert table.metadata["format_version"] == 2
     np.testing.assert_array_equal(embedpipe.Table.open(path).to_tensor(), weight)
+
+
+def test_copy_on_write_keeps_a_zero_chunk_sparse(tmp_path):
+    table = embedpipe.Table.create(tmp_path / "z.zarr", 4096, 64, init="zeros", chunk_rows=4096)
+    table.checkpoint()  # the chunk is now shared: the next write copies it
+    table.write([5], np.ones((1, 64), np.float32))
+    chunk = os.path.join(table.path, "weight", "c", "0", "0")
+    assert os.stat(chunk).st_nlink == 1  # a private copy...
+    assert os.stat(chunk).st_blocks * 512 < 64 * 1024  # ...of 1 MiB, that took a page or so
+    np.testing.assert_array_equal(table.read([4, 5])[:, 0], [0, 1])
+    table.close()

@@ -4,7 +4,7 @@ resumed run ends bit for bit where a run that never stopped ends.
 Each case runs ``tests/crash_run.py`` in a subprocess and kills it: at a random step (the kill
 lands in a lookup, a hand-off, a step or a commit, wherever the process happens to be), or at the
 N-th call of a system call inside a checkpoint commit (link, fsync, rename), a row write
-(pwrite: evictions and steps) or a chunk's copy-on-write (copyfile). Then:
+(pwrite: evictions and steps) or a chunk's copy-on-write (copy_file_range). Then:
 
 1. the table opens (read-only, then to write) bit-equal, weights and Adagrad state, to
    ``nn.Embedding`` + ``torch.optim.Adagrad`` trained in memory to the checkpoint's step;
@@ -32,9 +32,9 @@ from . import crash_run
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "crash_run.py")
 EVERY = 3
-KILL_SYSCALLS = ("link", "fsync", "rename", "pwrite", "copyfile")
+KILL_SYSCALLS = ("link", "fsync", "rename", "pwrite", "copy_file_range")
 # The default run: one kill at a random step, and one inside each kind of work.
-DEFAULT_KILLS = ["step:7", "link:40", "rename:5", "pwrite:300", "copyfile:20"]
+DEFAULT_KILLS = ["step:7", "link:40", "rename:5", "pwrite:300", "copy_file_range:20"]
 
 
 @pytest.fixture(scope="module")
@@ -131,13 +131,13 @@ def test_kills_at_five_points_reopen_at_the_last_checkpoint_and_resume_exactly(
 def test_kills_at_fifty_random_points(tmp_path, reference, seed):
     rng = random.Random(seed)
     kind = rng.choice(("step", *KILL_SYSCALLS))
-    # calls in a whole run (measured): link 778, fsync 1492, rename 15, pwrite 2544, copyfile 590
+    # calls in a whole run (measured): link 778, fsync 1492, rename 15, pwrite 2544, copy_file_range 587
     limits = {
         "step": crash_run.STEPS - 1,
         "link": 700,
         "fsync": 1400,
         "rename": 14,
         "pwrite": 2400,
-        "copyfile": 550,
+        "copy_file_range": 550,
     }
     _crash_and_resume(tmp_path, reference, f"{kind}:{rng.randint(1, limits[kind])}")
