@@ -186,7 +186,47 @@ def _link_or_copy(src: str, dst: str) -> None:
     except OSError as e:
         if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
             raise
-        shutil.copyfile(src, dst)
+        with open(src, "rb") as source, open(dst, "wb") as target:
+            copy_sparse(source.fileno(), target.fileno())
+
+
+def copy_sparse(src: int, dst: int) -> None:
+    """Copy the file open at ``src`` into the empty file at ``dst``, leaving its holes holes: a
+    chunk of zeros (optimizer state starts so) takes no disk space, and its copy should not."""
+    size = os.fstat(src).st_size
+    os.ftruncate(dst, size)
+    offset = 0
+    while offset < size:
+        try:
+            start = os.lseek(src, offset, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # nothing but a hole from here on
+                return
+            raise
+        end = os.lseek(src, start, os.SEEK_HOLE)
+        _copy_range(src, dst, start, end)
+        offset = end
+
+
+def _copy_range(src: int, dst: int, start: int, end: int) -> None:
+    """Copy bytes ``start:end`` at the same offsets: in the kernel where it can (the same
+    filesystem), through a buffer where it cannot (another one: EXDEV)."""
+    while start < end:
+        try:
+            copied = os.copy_file_range(src, dst, end - start, start, start)
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            break
+        if copied <= 0:
+            raise OSError(errno.EIO, "copy_file_range copied nothing")
+        start += copied
+    while start < end:
+        block = os.pread(src, min(end - start, 1 << 20), start)
+        if not block:
+            raise OSError(errno.EIO, "the file ended before its size")
+        write_all(dst, block, start)
+        start += len(block)
 
 
 def _place(files: dict[str, os.stat_result], src: str, dst: str) -> None:
@@ -270,14 +310,28 @@ def prune(root: str, keep: int) -> None:
         return
     fsync_dir(os.path.join(root, CHECKPOINTS))
     # Deleting is slow (freeing the chunks only a pruned checkpoint held: 0.5 s for 1 GiB,
-    # measured) and not needed for correctness: do it off the commit's path. A crash first
-    # leaves .trash-* folders, which the next open to write deletes.
-    threading.Thread(target=_delete, args=(trash,), name="embedpipe-prune", daemon=True).start()
+    # measured) and not needed for correctness: do it off the commit's path, and let the
+    # table's close() wait for it (finish_deleting). A crash first leaves .trash-* folders,
+    # which the next open to write deletes.
+    thread = threading.Thread(target=_delete, args=(trash,), name="embedpipe-prune", daemon=True)
+    _deleting.setdefault(root, []).append(thread)
+    thread.start()
+
+
+#: Background deletions of pruned checkpoints, per table folder.
+_deleting: dict[str, list[threading.Thread]] = {}
 
 
 def _delete(folders: list[str]) -> None:
     for folder in folders:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def finish_deleting(root: str) -> None:
+    """Wait until the pruned checkpoints of ``root`` are deleted (nothing of ours is left
+    working in the folder once its table is closed)."""
+    for thread in _deleting.pop(root, []):
+        thread.join()
 
 
 class Pin:

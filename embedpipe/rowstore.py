@@ -37,7 +37,6 @@ the hand-off re-reads every row the step changed (docs/consistency.md, invariant
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import resource
@@ -48,7 +47,7 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
-from .checkpoints import unlink, write_all
+from .checkpoints import copy_sparse, unlink, write_all
 from .errors import CorruptTableError
 
 #: How many chunk files one reader keeps mapped (see the NOTE). Python's mmap keeps a file
@@ -332,28 +331,6 @@ class RawRows(ZarrRows):
         state = self.__dict__.copy()
         state["_maps"] = OrderedDict()  # mappings do not cross processes
         return state
-
-
-def copy_sparse(src: int, dst: int) -> None:
-    """Copy the file open at ``src`` into the empty file at ``dst``, leaving its holes holes: a
-    chunk of zeros (optimizer state starts so) takes no disk space, and its copy should not."""
-    size = os.fstat(src).st_size
-    os.ftruncate(dst, size)
-    offset = 0
-    while offset < size:
-        try:
-            start = os.lseek(src, offset, os.SEEK_DATA)
-        except OSError as e:
-            if e.errno == errno.ENXIO:  # nothing but a hole from here on
-                return
-            raise
-        end = os.lseek(src, start, os.SEEK_HOLE)
-        while start < end:
-            copied = os.copy_file_range(src, dst, end - start, start, start)
-            if copied <= 0:
-                raise OSError(errno.EIO, "copy_file_range copied nothing")
-            start += copied
-        offset = end
 
 
 def row_access(array: zarr.Array, *, complete: bool = True) -> ZarrRows:

@@ -335,7 +335,10 @@ class Table:
                 )
             _read_table_metadata(path)  # refuse to delete a folder that is not a table
             WriterLock(path).release()  # or a table another process is writing
-            shutil.rmtree(path)
+            checkpoints.finish_deleting(path)
+            shutil.rmtree(path, ignore_errors=True)  # a dropped table's prune may still run
+            if os.path.exists(path):
+                shutil.rmtree(path)
         group = zarr.open_group(path, mode="w-")
         meta = {
             "format_version": FORMAT_VERSION,
@@ -531,16 +534,22 @@ class Table:
     def _abandon(self) -> None:
         """Release the lock without committing (a write hangs in another thread)."""
         self._owner = None
+        checkpoints.finish_deleting(self.path)
         if self._lock is not None:
             self._lock.release()
             self._lock = None
 
     def nbytes_on_disk(self) -> int:
-        """Bytes the table's folder takes on disk (hard-linked checkpoints counted once)."""
+        """Bytes the table's folder takes on disk (hard-linked checkpoints counted once; a
+        pruned checkpoint still being deleted is left out)."""
         total, seen = 0, set()
-        for folder, _, files in os.walk(self.path):
+        for folder, subfolders, files in os.walk(self.path):
+            subfolders[:] = [d for d in subfolders if not d.startswith(".trash-")]
             for f in files:
-                st = os.lstat(os.path.join(folder, f))
+                try:
+                    st = os.lstat(os.path.join(folder, f))
+                except FileNotFoundError:  # deleted while we walk (a prune, a copy-on-write)
+                    continue
                 if (st.st_dev, st.st_ino) not in seen:
                     seen.add((st.st_dev, st.st_ino))
                     total += st.st_blocks * 512
@@ -569,6 +578,7 @@ class Table:
         if self._lock is not None:
             if self._modified:
                 self._commit(self.step)
+            checkpoints.finish_deleting(self.path)
             self._lock.release()
             self._lock = None
 

@@ -155,9 +155,13 @@ def write_bytes() -> int:
 def inodes(folder: str) -> dict[tuple[int, int], tuple[int, bool]]:
     """(dev, inode) -> (bytes allocated, is a folder) for everything under ``folder``."""
     found = {}
-    for dirpath, _, files in os.walk(folder):
+    for dirpath, subfolders, files in os.walk(folder):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".trash-")]  # being deleted
         for path in [dirpath, *(os.path.join(dirpath, name) for name in files)]:
-            st = os.lstat(path)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:  # a pruned checkpoint deleted while we walk
+                continue
             found[(st.st_dev, st.st_ino)] = (st.st_blocks * 512, path == dirpath)
     return found
 
@@ -171,9 +175,13 @@ def new_usage(before: dict, after: dict) -> tuple[int, int]:
 def new_files(folder: str, before: dict) -> list[str]:
     """The files under ``folder`` that are not in ``before``."""
     found = []
-    for dirpath, _, files in os.walk(folder):
+    for dirpath, subfolders, files in os.walk(folder):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".trash-")]
         for name in files:
-            st = os.lstat(os.path.join(dirpath, name))
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
             if (st.st_dev, st.st_ino) not in before:
                 found.append(os.path.join(dirpath, name))
     return found

@@ -407,3 +407,19 @@ def test_copy_on_write_keeps_a_zero_chunk_sparse(tmp_path):
     assert os.stat(chunk).st_blocks * 512 < 64 * 1024  # ...of 1 MiB, that took a page or so
     np.testing.assert_array_equal(table.read([4, 5])[:, 0], [0, 1])
     table.close()
+
+
+def test_nothing_works_in_the_folder_once_the_pipe_is_closed(tmp_path):
+    # Pruned checkpoints are deleted in the background; close() waits for that, so the folder
+    # can be removed (or overwritten) right after.
+    rows, dim = 1 << 15, 256  # 32 MiB: each pruned checkpoint holds chunks to free
+    path = tmp_path / "t.zarr"
+    embedpipe.Table.create(path, rows, dim, chunk_rows=1024).close()
+    rng = np.random.default_rng(0)
+    data = [{"input_ids": torch.from_numpy(rng.integers(0, rows, 512))} for _ in range(6)]
+    with EmbeddingPipe(path, cache_rows=0, optimizer=embedpipe.optim.SGD(lr=0.1), keep=1) as pipe:
+        for batch in pipe.loader(data, batch_size=1):
+            batch["inputs_embeds"].sum().backward()
+            pipe.checkpoint()
+    shutil.rmtree(path)  # no background deletion racing it
+    embedpipe.Table.create(path, 10, 4).close()
