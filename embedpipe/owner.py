@@ -72,6 +72,7 @@ class Owner:
         )
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # gradients being accumulated
         self.counts = dict.fromkeys(("batches", "hits", "misses", "refreshed", "ring_overruns"), 0)
+        self._step_in_progress: int | None = None  # for the messages of failed table writes
         self.closed = False
 
     # ------------------------------------------------------------------------- training loop
@@ -189,8 +190,6 @@ class Owner:
                 self.cache.clean_ahead()
 
     # ------------------------------------------------------------------------- table I/O
-    _step_in_progress: int | None = None
-
     def _fetch(self, ids: np.ndarray, name: str) -> np.ndarray:
         return self.table._array(name).read(ids)
 
@@ -227,7 +226,7 @@ class Owner:
         return self._commit()
 
     def _commit(self) -> Checkpoint:
-        self._check_intact()
+        self.cache._check()
         with self.lock:  # no hand-off evicts and no step writes while the files are linked
             self.cache.flush()
             step = self.applied_step
@@ -263,7 +262,7 @@ class Owner:
         queued steps are applied first, then the cache is emptied without writing it back,
         pending gradients are dropped, and the snapshot is committed as the newest checkpoint."""
         self.check_open()
-        self._check_intact()
+        self.cache._check()
         if self.writeback is not None:
             self.writeback.wait()
         self.pending = []
@@ -316,9 +315,6 @@ class Owner:
     def check_open(self) -> None:
         if self.closed:
             raise RuntimeError("this EmbeddingPipe is closed; make a new one")
-
-    def _check_intact(self) -> None:
-        self.cache._check()
 
     def stats(self) -> dict[str, int]:
         cache = self.cache.counts
