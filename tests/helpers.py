@@ -152,10 +152,12 @@ def adagrad_reference(weight: np.ndarray, batches: list[torch.Tensor], steps: in
 SMALL_V, SMALL_D = 100, 4
 
 
-def small_table(folder) -> str:
+def small_table(folder, compressor: str = "none") -> str:
     """A 100 x 4 table whose row i is i*4 .. i*4+3, over 100, in chunks of 16 rows; its path."""
     weight = np.arange(SMALL_V * SMALL_D, dtype=np.float32).reshape(SMALL_V, SMALL_D) / 100
-    embedpipe.Table.from_tensor(folder / "t.zarr", weight, chunk_rows=16).close()
+    embedpipe.Table.from_tensor(
+        folder / "t.zarr", weight, chunk_rows=16, compressor=compressor
+    ).close()
     return folder / "t.zarr"
 
 

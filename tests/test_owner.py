@@ -112,9 +112,7 @@ def test_a_dropped_pipe_is_collected_commits_its_steps_and_releases_the_table(pa
 
 @pytest.mark.parametrize("compressor", ["none", "zstd"])  # zstd writes through zarr's executor
 def test_a_pipe_alive_at_interpreter_exit_commits_its_steps(tmp_path, compressor):
-    weight = np.arange(V * D, dtype=np.float32).reshape(V, D) / 100
-    path = tmp_path / "t.zarr"
-    embedpipe.Table.from_tensor(path, weight, chunk_rows=16, compressor=compressor).close()
+    path = small_table(tmp_path, compressor)
     script = textwrap.dedent(
         f"""
         import torch, embedpipe
