@@ -7,7 +7,7 @@ rows up inside the DataLoader through one shared cache and trains them with a sp
 
 __version__ = "0.1.0"
 
-from . import errors, hf, optim
+from . import collate, errors, hf, optim
 from .batch import EmbeddedBatch
 from .pipe import EmbeddingPipe
 from .table import Table
@@ -17,6 +17,7 @@ __all__ = [
     "EmbeddedBatch",
     "EmbeddingPipe",
     "Table",
+    "collate",
     "errors",
     "export_table",
     "hf",

@@ -5,22 +5,58 @@ embeddings are made where they are used, on the batch's device, from the unique 
 
     rows: (U, D) leaf, requires grad  --F.embedding(inverse: (B, L))-->  inputs_embeds: (B, L, D)
 
-Embedding's backward sums the gradient of repeated ids, so the hook on ``rows`` receives the
-(U, D) gradient of the unique ids, already deduplicated on the device, and hands it to the pipe.
+Embedding's backward sums the gradient of repeated ids, so the (U, D) gradient of the unique ids
+arrives deduplicated on the device; a hook adds it to the table's pending gradient
+(``gradient.py``).
+
+NOTE [ Rows are final when the model first reads them ]
+A batch goes through three moments, and frameworks separate them freely:
+
+1. *looked up*, in a DataLoader worker: the fields, the unique ids, and the rows in a ring slot
+   (this object, pickled back to the training process, "unclaimed");
+2. *claimed*, in the training process, at the first ``next()`` that yields it from
+   ``pipe.loader`` or, from a loader a framework rebuilt (Accelerate, Trainer's resume), at the
+   first ``.to(device)`` or read of the rows: the rows are copied out of the ring and brought up
+   to the steps applied so far (``Owner.hand_off``);
+3. *read*: the first ``batch["inputs_embeds"]``. Here the rows are made final: the steps
+   submitted since the claim (an optimizer step that ran while the batch waited one ahead in a
+   prefetcher) are applied and the rows they changed are re-read (``Owner.refresh``).
+
+So whatever a framework fetches ahead, the model sees the rows an ``nn.Embedding`` would give it
+at that moment. A read after a later step (evaluating the same batch after training on it) is
+made final again, as ``embedding(ids)`` would be.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+import dataclasses
+import os
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
+if TYPE_CHECKING:
+    from .owner import Owner
+    from .worker import LookedUp
+
 INPUTS_EMBEDS = "inputs_embeds"
 
-#: Called with (unique_ids (U,) CPU int64, grad (U, D) on the device) when backward reaches the rows.
-GradSink = Callable[[torch.Tensor, torch.Tensor], None]
+
+class Source(Protocol):
+    """Where an unclaimed batch is claimed: the loader's side of the pipe (``loader.py``)."""
+
+    def claim(self, item: LookedUp, pin: bool) -> EmbeddedBatch: ...
+
+
+#: The sources of this process by key; a looked-up batch carries its source's key across.
+_SOURCES: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+
+
+def register_source(key: str, source: Source) -> None:
+    _SOURCES[key] = source
 
 
 def _move(value: Any, device: torch.device | str, non_blocking: bool) -> Any:
@@ -34,30 +70,25 @@ def _move(value: Any, device: torch.device | str, non_blocking: bool) -> Any:
 
 
 class _GradHook:
-    """Hands the rows' gradient to the pipe, once. Holds no reference to the batch or the graph:
-    a hook that did (a bound method of the batch) would make a reference cycle through the
-    autograd graph, and every batch's (B, L, D) tensors would wait for the cyclic collector."""
+    """Hands the rows' gradient to the owner and frees the leaf's ``.grad``. Holds no reference
+    to the batch or the graph: a hook that did would make a reference cycle through the autograd
+    graph, and every batch's (B, L, D) tensors would wait for the cyclic collector."""
 
-    def __init__(self, unique_ids: torch.Tensor, sink: GradSink) -> None:
+    def __init__(self, unique_ids: torch.Tensor, owner: Owner) -> None:
         self.unique_ids = unique_ids
-        self.sink = sink
-        self.sent = False
+        self.owner = owner
 
-    def __call__(self, grad: torch.Tensor) -> None:
-        if self.sent:
-            raise RuntimeError(
-                "a second backward pass reached this batch's embeddings; embedpipe applies one "
-                "optimizer step per backward: sum the losses and call backward once per batch"
-            )
-        self.sent = True
-        self.sink(self.unique_ids, grad)
+    def __call__(self, rows: torch.Tensor) -> None:
+        grad, rows.grad = rows.grad, None
+        self.owner.on_grad(self.unique_ids, grad)
 
 
 class EmbeddedBatch(Mapping[str, Any]):
     """The collated fields plus ``inputs_embeds``; ``.to(device)`` moves the (U, D) rows, not (B, L, D).
 
     Attributes ``unique_ids`` (U,), ``inverse`` (shaped like the ids) and ``rows`` (U, D) are
-    there for code that wants the compact form (e.g. a custom embedding layer).
+    there for code that wants the compact form (e.g. a custom embedding layer). See the NOTE for
+    when the rows are final.
     """
 
     def __init__(
@@ -66,27 +97,111 @@ class EmbeddedBatch(Mapping[str, Any]):
         unique_ids: torch.Tensor,
         inverse: torch.Tensor,
         rows: torch.Tensor,
-        grad_sink: GradSink | None,
+        owner: Owner | None = None,
+        *,
+        step: int = 0,
+        tick: int = 0,
     ) -> None:
         if INPUTS_EMBEDS in fields:
             raise KeyError(f"the collated batch already has a field {INPUTS_EMBEDS!r}; rename it")
         self.fields = fields
-        self.unique_ids = unique_ids
-        self.inverse = inverse
-        self.rows = rows
-        self.grad_sink = grad_sink
+        self._item: LookedUp | None = None  # set while unclaimed
+        self._source = ""
+        self._pin = False
+        self._claimed(unique_ids, inverse, rows, owner, step, tick)
+
+    def _claimed(
+        self,
+        unique_ids: torch.Tensor,
+        inverse: torch.Tensor,
+        rows: torch.Tensor,
+        owner: Owner | None,
+        step: int,
+        tick: int,
+    ) -> None:
+        self._unique_ids, self._inverse, self._rows = unique_ids, inverse, rows
+        self._owner = owner
+        self.step = step  # the rows hold every update of the table's steps up to this one
+        self.tick = tick  # the same moment on the owner's cache clock
         self._embeds: torch.Tensor | None = None
+        self._embeds_step = -1
+
+    @classmethod
+    def _looked_up(cls, item: LookedUp, source: str) -> EmbeddedBatch:
+        """A batch as a worker returns it: unclaimed (see the NOTE)."""
+        batch = cls.__new__(cls)
+        batch.fields, batch._item, batch._source, batch._pin = item.fields, item, source, False
+        return batch
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._item is None:
+            raise TypeError("a claimed EmbeddedBatch cannot be pickled; pickle its fields")
+        return {"fields": self.fields, "_item": self._item, "_source": self._source}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _pin=False)
+
+    def _claim(self) -> EmbeddedBatch:
+        """Claim an unclaimed batch in the training process (no-op once claimed)."""
+        if self._item is None:
+            return self
+        source = _SOURCES.get(self._source)
+        if source is None:
+            raise RuntimeError(
+                "this batch was looked up by an embedpipe loader that no longer exists in this "
+                f"process (pid {os.getpid()}); use batches while their loader is alive"
+            )
+        item, self._item = self._item, None
+        claimed = source.claim(item, pin=self._pin)
+        self.fields = claimed.fields
+        self._claimed(
+            claimed._unique_ids,
+            claimed._inverse,
+            claimed._rows,
+            claimed._owner,
+            claimed.step,
+            claimed.tick,
+        )
+        return self
+
+    @property
+    def unique_ids(self) -> torch.Tensor:
+        return self._claim()._unique_ids
+
+    @property
+    def inverse(self) -> torch.Tensor:
+        return self._claim()._inverse
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The unique rows, final (the NOTE's third moment)."""
+        self._claim()._finalize()
+        return self._rows
+
+    def _finalize(self) -> None:
+        if self._owner is not None:
+            self._owner.refresh(self)
+
+    def _refreshed(self, positions: torch.Tensor, fresh: torch.Tensor, step: int, tick: int) -> None:
+        """Owner: the rows at ``positions`` changed since this batch's ``tick``; ``fresh`` holds them."""
+        if len(positions):
+            device = self._rows.device
+            self._rows = self._rows.index_copy(0, positions.to(device), fresh.to(device))
+        self.step, self.tick = step, tick
 
     def __getitem__(self, key: str) -> Any:
         if key != INPUTS_EMBEDS:
             return self.fields[key]
-        if self._embeds is not None:
+        rows = self.rows
+        if self._embeds is not None and self._embeds_step == self.step:
             return self._embeds
-        if self.grad_sink is None or not torch.is_grad_enabled():
-            return F.embedding(self.inverse, self.rows)  # not kept: a later read may train
-        rows = self.rows.detach().requires_grad_()
-        rows.register_hook(_GradHook(self.unique_ids, self.grad_sink))
-        self._embeds = F.embedding(self.inverse, rows)  # (U, D) -> (B, L, D)
+        owner = self._owner
+        if owner is None or not owner.trains or not torch.is_grad_enabled():
+            return F.embedding(self._inverse, rows)  # not kept: a later read may train
+        leaf = rows.detach().requires_grad_()
+        leaf.register_post_accumulate_grad_hook(_GradHook(self._unique_ids, owner))
+        self._embeds = F.embedding(self._inverse, leaf)  # (U, D) -> (B, L, D)
+        self._embeds_step = self.step
         return self._embeds
 
     def __iter__(self) -> Iterator[str]:
@@ -97,14 +212,32 @@ class EmbeddedBatch(Mapping[str, Any]):
         return len(self.fields) + 1
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> EmbeddedBatch:
-        """The batch on ``device``; ``inputs_embeds`` is then made there."""
+        """The batch on ``device``; ``inputs_embeds`` is then made there (and made final there)."""
+        self._claim()
         return EmbeddedBatch(
             _move(self.fields, device, non_blocking),
-            self.unique_ids,
-            self.inverse.to(device, non_blocking=non_blocking),
-            self.rows.to(device, non_blocking=non_blocking),
-            self.grad_sink,
+            self._unique_ids,
+            self._inverse.to(device, non_blocking=non_blocking),
+            self._rows.to(device, non_blocking=non_blocking),
+            self._owner,
+            step=self.step,
+            tick=self.tick,
         )
 
+    def pin_memory(self) -> EmbeddedBatch:
+        """Called by the DataLoader's pin-memory thread: pins the fields now (the rows are pinned
+        when the batch is claimed, as they are copied out of the ring then)."""
+        from torch.utils.data._utils.pin_memory import pin_memory
+
+        if self._item is None:
+            return self  # claimed already: the rows were pinned then, if asked
+        batch = EmbeddedBatch._looked_up(
+            dataclasses.replace(self._item, fields=pin_memory(self.fields)), self._source
+        )
+        batch._pin = True
+        return batch
+
     def __repr__(self) -> str:
-        return f"EmbeddedBatch(keys={list(self)}, unique_ids={len(self.unique_ids)}, device={self.rows.device})"
+        if self._item is not None:
+            return f"EmbeddedBatch(keys={list(self)}, unique_ids={len(self._item.unique_ids)}, unclaimed)"
+        return f"EmbeddedBatch(keys={list(self)}, unique_ids={len(self._unique_ids)}, device={self._rows.device})"

@@ -19,6 +19,7 @@ that do not know embedpipe::
     ├── TableWriteError         OSError             writing the table failed (disk full, I/O error):
     │                                               names the table, the step and the file
     ├── WorkerDiedError         RuntimeError        a DataLoader worker died mid-epoch
+    ├── DistributedNotSupportedError  RuntimeError  a trained pipe in a process group of > 1
     ├── SourceFormatError       ValueError          a file `embedpipe import` cannot read
     └── SourceKeyError          LookupError         no tensor, or several, match the key
 
@@ -87,6 +88,10 @@ class TableWriteError(EmbedpipeError, OSError):
 
 class WorkerDiedError(EmbedpipeError, RuntimeError):
     """A DataLoader worker process died (killed, crashed) while loading batches."""
+
+
+class DistributedNotSupportedError(EmbedpipeError, RuntimeError):
+    """A pipe that trains its table was made in one of several training processes (torchrun)."""
 
 
 class SourceFormatError(EmbedpipeError, ValueError):

@@ -9,12 +9,18 @@
 causal LM heads): :func:`untie` gives the output layer its own copy first. :func:`embedding_bytes`
 says how much accelerator memory the table costs while it lives in the model. Works with any
 ``transformers.PreTrainedModel`` (duck-typed: transformers is imported only by the caller).
-See ``docs/huggingface.md``.
+:func:`restore` puts the (trained) table back into the model, for ``save_pretrained``.
+``embedpipe.hf.Trainer`` is a ``transformers.Trainer`` that trains through a pipe
+(``hf_trainer.py``, imported when first used). See ``docs/huggingface.md`` and
+``docs/integrations.md``.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -39,12 +45,28 @@ class EmbeddingsOffloadedError(EmbedpipeError, RuntimeError, AttributeError):
     """
 
 
+#: The offloaded embedding modules alive in this process, by table path: a pipe on that table
+#: attaches its gradient parameter to them (``EmbeddingPipe.attach``).
+_OFFLOADED: dict[str, weakref.WeakSet[OffloadedEmbedding]] = {}
+
+
+def offloaded_embeddings(path: str) -> list[OffloadedEmbedding]:
+    """The modules offloaded to the table at ``path`` in this process, still alive."""
+    return list(_OFFLOADED.get(os.path.realpath(path), ()))
+
+
 class OffloadedEmbedding(nn.Module):
-    """Stands where a model's ``nn.Embedding`` was; holds no parameters, buffers or rows.
+    """Stands where a model's ``nn.Embedding`` was; holds no rows.
 
     Keeps ``num_embeddings``, ``embedding_dim``, ``padding_idx`` and the table's ``path``, plus
     the ``dtype`` and ``device`` the model expects ``inputs_embeds`` in (they follow
     ``model.to(...)``). Calling it, or reading ``.weight``, raises :class:`EmbeddingsOffloadedError`.
+
+    Its one parameter, ``rows``, is a training pipe's :attr:`~embedpipe.EmbeddingPipe.parameter`
+    (None until a pipe attaches): the table's pending gradient, in the model where the embedding
+    weight was, so clipping ``model.parameters()`` counts it. It holds no data (a view of one
+    zero), is left out of ``state_dict()`` and does not follow ``model.to(...)``: it lives where
+    the gradient does.
     """
 
     def __init__(
@@ -61,6 +83,27 @@ class OffloadedEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.path, self.padding_idx = path, padding_idx
         self.dtype, self.device = dtype, torch.device(device)
+        self.register_parameter("rows", None)
+
+    def attach(self, parameter: nn.Parameter) -> None:
+        """Hold a pipe's gradient parameter as ``rows`` (replacing an earlier pipe's)."""
+        self.rows = parameter
+
+    @contextmanager
+    def _without_rows(self) -> Iterator[None]:
+        rows = self._parameters.pop("rows", None)
+        try:
+            yield
+        finally:
+            self._parameters["rows"] = rows
+
+    def _save_to_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        with self._without_rows():
+            super()._save_to_state_dict(*args, **kwargs)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        with self._without_rows():
+            super()._load_from_state_dict(*args, **kwargs)
 
     def _error(self) -> EmbeddingsOffloadedError:
         return EmbeddingsOffloadedError(
@@ -80,7 +123,8 @@ class OffloadedEmbedding(nn.Module):
         # model.to(device) / .half() reach us here: follow them on an empty tensor (no memory)
         probe = fn(torch.empty(0, dtype=self.dtype, device=self.device))
         self.dtype, self.device = probe.dtype, probe.device
-        return super()._apply(fn, recurse)
+        with self._without_rows():
+            return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return (
@@ -143,9 +187,57 @@ def offload(
     table = Table.from_tensor(
         path, weight.detach(), chunk_rows=chunk_rows, overwrite=overwrite, progress=progress
     )
+    if placeholder.padding_idx is not None:  # the pipe's default padding_idx
+        table._update_metadata(padding_idx=int(placeholder.padding_idx))
     placeholder.path = table.path
     model.set_input_embeddings(placeholder)
+    _OFFLOADED.setdefault(os.path.realpath(table.path), weakref.WeakSet()).add(placeholder)
     return table
+
+
+def restore(model: nn.Module, source: Any) -> nn.Module:
+    """Put an ``nn.Embedding`` holding the table's rows back where :func:`offload` took it out;
+    returns ``model``, ready for ``save_pretrained`` (its folder loads with ``from_pretrained``).
+
+    ``source`` is an ``EmbeddingPipe`` (its applied steps are written first, so the rows are the
+    trained ones), a :class:`Table`, or a path. The rows take host or accelerator memory again:
+    ``num_rows x dim`` values, on the device the model expects ``inputs_embeds`` on.
+    """
+    model.set_input_embeddings(_embedding_of(model, source))
+    return model
+
+
+@contextmanager
+def restored(model: nn.Module, source: Any) -> Iterator[nn.Module]:
+    """:func:`restore` for the ``with`` block only (saving a model mid-training), then the
+    offloaded module again, its gradient parameter still attached."""
+    placeholder = model.get_input_embeddings()
+    model.set_input_embeddings(_embedding_of(model, source))
+    try:
+        yield model
+    finally:
+        model.set_input_embeddings(placeholder)
+
+
+def _embedding_of(model: nn.Module, source: Any) -> nn.Embedding:
+    placeholder = model.get_input_embeddings()
+    if not isinstance(placeholder, OffloadedEmbedding):
+        raise ValueError(f"the word embeddings of this {type(model).__name__} are not offloaded")
+    if hasattr(source, "flush") and hasattr(source, "table"):  # a pipe: write its steps first
+        source.flush()
+        weight = source.table.to_tensor()
+    elif isinstance(source, Table):
+        weight = source.to_tensor()
+    else:
+        with Table.open(source, "r") as table:
+            weight = table.to_tensor()
+    expected = (placeholder.num_embeddings, placeholder.embedding_dim)
+    if tuple(weight.shape) != expected:
+        raise InvalidRowsError(
+            f"the table holds {tuple(weight.shape)} rows but the model's embedding was {expected}"
+        )
+    embedding = nn.Embedding(*expected, padding_idx=placeholder.padding_idx, _weight=weight)
+    return embedding.to(device=placeholder.device, dtype=placeholder.dtype)
 
 
 def untie(model: nn.Module) -> nn.Module:
@@ -223,3 +315,11 @@ def _tied_names(
         return _names(model, embeddings.weight)
     finally:
         model.set_input_embeddings(embeddings)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Trainer":  # imports transformers: only when asked for
+        from .hf_trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,13 +1,17 @@
-"""The DataLoader stage: a torch DataLoader whose collate does the lookup, and the hand-off.
+"""The DataLoader stage: a torch DataLoader whose collate does the lookup, and the claim.
 
-``PipeLoader`` wraps the user's dataset (checking each sample's ids where its index is known),
-builds a ``torch.utils.data.DataLoader`` whose ``collate_fn`` is the worker-side
-:class:`~embedpipe.worker.Lookup`, and turns each :class:`~embedpipe.worker.LookedUp` into an
-:class:`~embedpipe.batch.EmbeddedBatch` in the main process (``Owner.hand_off``). The loader
-holds the pipe (a loop over it keeps the pipe alive) and asks the owner for two things only:
-``before_lookup`` and ``hand_off``.
+``PipeLoader`` is a ``torch.utils.data.DataLoader`` over the user's dataset (checking each
+sample's ids where its index is known) whose ``collate_fn`` is the worker-side
+:class:`~embedpipe.worker.Lookup`. Each batch a worker returns is an unclaimed
+:class:`~embedpipe.batch.EmbeddedBatch`; ``PipeLoader`` claims it in the main process as
+``next()`` yields it (``Owner.hand_off``, through the :class:`PipeSource` the batch names).
+
+Because it is a DataLoader, and its batches claim themselves, frameworks that rebuild a loader
+from its dataset and ``collate_fn`` get working batches too: Accelerate's ``prepare`` and
+``skip_first_batches``, Trainer's resume. Their batches are claimed at the first ``.to(device)``
+or read (NOTE [ Rows are final when the model first reads them ] in ``batch.py``).
 Everything the DataLoader offers (workers, prefetching, persistent workers, pinned memory, the
-start method) works as usual, because this is a DataLoader.
+start method) works as usual.
 """
 
 from __future__ import annotations
@@ -18,14 +22,16 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, default_convert
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_convert
 
 from .batch import EmbeddedBatch
+from .collate import PadCollator
 from .errors import WorkerDiedError
 from .ring import BatchRing
 from .worker import CheckedDataset, CheckedIterable, LookedUp, Lookup
 
 if TYPE_CHECKING:
+    from .owner import Owner
     from .pipe import EmbeddingPipe
 
 DEFAULT_RING_ROWS = 2048
@@ -42,8 +48,24 @@ def _exit_reason(code: int) -> str:
     return f"exit status {code}"
 
 
-class PipeLoader:
-    """An iterable of :class:`EmbeddedBatch`; ``len()`` as the DataLoader's."""
+class PipeSource:
+    """The main-process side of a loader's lookups: claims its batches (``batch.py``)."""
+
+    def __init__(self, owner: Owner, ring: BatchRing | None, pin: bool) -> None:
+        self.owner = owner
+        self.ring = ring
+        self.pin = pin and torch.cuda.is_available()
+
+    def claim(self, item: LookedUp, pin: bool) -> EmbeddedBatch:
+        if item.slot >= 0 and self.ring is not None:
+            rows = self.ring.read(item.slot, item.tag, len(item.unique_ids))
+        else:
+            rows = item.rows
+        return self.owner.hand_off(item, rows, self.pin or (pin and torch.cuda.is_available()))
+
+
+class PipeLoader(DataLoader):
+    """A DataLoader of :class:`EmbeddedBatch`; arguments as ``EmbeddingPipe.loader``."""
 
     def __init__(
         self,
@@ -51,7 +73,7 @@ class PipeLoader:
         dataset: Dataset,
         *,
         batch_size: int | None,
-        shuffle: bool,
+        shuffle: bool | None,
         num_workers: int,
         collate_fn: Any,
         ids_key: str,
@@ -64,21 +86,20 @@ class PipeLoader:
             checked: Dataset = CheckedIterable(dataset, ids_key, table.num_rows)
         else:
             checked = CheckedDataset(dataset, ids_key, table.num_rows)
-        self.ring = None
+        ring = None
         if num_workers > 0 and owner.workers_read_shared:
-            depth = (dataloader_kwargs.get("prefetch_factor") or 2) + 1
+            # one slot more than batches in flight, one more for a batch a framework holds
+            # unclaimed one ahead (ring.py's NOTE)
+            depth = (dataloader_kwargs.get("prefetch_factor") or 2) + 2
             rows = ring_rows or min(table.num_rows, DEFAULT_RING_ROWS)
-            self.ring = BatchRing(num_workers, depth, rows, table.dim, table.dtype)
-        if collate_fn is None:  # as the DataLoader: no batching, no stacking
+            ring = BatchRing(num_workers, depth, rows, table.dim, table.dtype)
+        if collate_fn is None:  # as the DataLoader: no batching, no stacking, but pad ragged ids
             unbatched = batch_size is None and "batch_sampler" not in dataloader_kwargs
-            collate_fn = default_convert if unbatched else default_collate
+            collate_fn = default_convert if unbatched else PadCollator(owner.padding_idx, ids_key)
+        source = PipeSource(owner, ring, bool(dataloader_kwargs.get("pin_memory")))
         shared = owner.shared if owner.workers_read_shared else None
-        lookup = Lookup(collate_fn, ids_key, table, shared, self.ring)
-        self.pipe = pipe  # kept alive while the loader is
-        self.owner = owner
-        # The DataLoader pins the fields; the rows are made at hand-off, so pin them there.
-        self._pin = bool(dataloader_kwargs.get("pin_memory")) and torch.cuda.is_available()
-        self.dataloader = DataLoader(
+        lookup = Lookup(collate_fn, ids_key, table, shared, ring, source)
+        super().__init__(
             checked,
             batch_size=batch_size,
             shuffle=shuffle,
@@ -86,29 +107,19 @@ class PipeLoader:
             collate_fn=lookup,
             **dataloader_kwargs,
         )
+        self.pipe = pipe  # kept alive while the loader is
+        self.ring = ring
+        self.ids_key = ids_key
 
-    def __iter__(self) -> Iterator[EmbeddedBatch]:
-        for item in self._lookups():
-            if item.slot >= 0 and self.ring is not None:
-                rows = self.ring.read(item.slot, item.tag, len(item.unique_ids))
-            else:
-                rows = item.rows
-            yield self.owner.hand_off(item, rows, self._pin)
+    def __iter__(self) -> Iterator[EmbeddedBatch]:  # type: ignore[override]
+        for batch in self._batches():
+            yield batch._claim()
 
-    def _lookups(self) -> Iterator[LookedUp]:
-        """The DataLoader's output. Without workers the lookup runs in this thread at ``next()``:
-        the owner may need the writeback to finish first (exact mode)."""
-        inline = self.dataloader.num_workers == 0
-        iterator = iter(self.dataloader)
+    def _batches(self) -> Iterator[EmbeddedBatch]:
+        """The DataLoader's output, with a failed batch ending the epoch cleanly."""
+        iterator = super().__iter__()
         try:
-            while True:
-                if inline:
-                    self.owner.before_lookup()
-                try:
-                    item = next(iterator)
-                except StopIteration:
-                    return
-                yield item
+            yield from iterator
         except Exception as e:
             # A failed batch (a dead worker, a bad sample) ends the epoch: stop the workers now
             # rather than when the traceback that references the iterator is collected. A dead
@@ -127,9 +138,6 @@ class PipeLoader:
                     "(out of memory is the usual cause of a SIGKILL)"
                 ) from e
             raise
-
-    def __len__(self) -> int:
-        return len(self.dataloader)
 
 
 def _dead_workers(iterator: Any, wait: bool) -> list[Any]:

@@ -82,10 +82,16 @@ class SGD(_RowOptimizerBase):
         _check_lr(self.lr)
 
     def update(
-        self, rows: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], step: int
+        self,
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        step: int,
+        lr: float | None = None,
     ) -> None:
-        """Apply one step to ``rows`` (U, D) in place given ``grad`` (U, D) summed per id."""
-        rows.add_(grad, alpha=-self.lr)
+        """Apply one step to ``rows`` (U, D) in place given ``grad`` (U, D) summed per id, at
+        learning rate ``lr`` (None: ``self.lr``; a scheduler sets it, see ``gradient.py``)."""
+        rows.add_(grad, alpha=-(self.lr if lr is None else lr))
 
 
 @dataclass(frozen=True)
@@ -109,12 +115,17 @@ class Adagrad(_RowOptimizerBase):
         return {"sum": self.initial_accumulator_value}
 
     def update(
-        self, rows: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], step: int
+        self,
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        step: int,
+        lr: float | None = None,
     ) -> None:
         """Apply one step to ``rows`` and ``state["sum"]`` (U, D) in place; see the module doc."""
         # The ops of torch's dense single-tensor branch, in its order (fused addcmul_ and
         # addcdiv_): bitwise parity with nn.Embedding + torch.optim.Adagrad depends on it.
-        clr = self.lr / (1 + (step - 1) * self.lr_decay)
+        clr = (self.lr if lr is None else lr) / (1 + (step - 1) * self.lr_decay)
         total = state["sum"]
         total.addcmul_(grad, grad, value=1)
         rows.addcdiv_(grad, total.sqrt().add_(self.eps), value=-clr)
@@ -141,7 +152,12 @@ class Adam(_RowOptimizerBase):
         return {"exp_avg": 0.0, "exp_avg_sq": 0.0}
 
     def update(
-        self, rows: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], step: int
+        self,
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        step: int,
+        lr: float | None = None,
     ) -> None:
         """Apply one step to ``rows`` and both moments (U, D) in place; see the module doc."""
         # SparseAdam's op sequence: old += (new - old) * (1 - beta), then an unfused
@@ -150,7 +166,7 @@ class Adam(_RowOptimizerBase):
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.add_(grad.sub(exp_avg).mul_(1 - beta1))
         exp_avg_sq.add_(grad.pow(2).sub_(exp_avg_sq).mul_(1 - beta2))
-        step_size = self.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+        step_size = (self.lr if lr is None else lr) * math.sqrt(1 - beta2**step) / (1 - beta1**step)
         rows.add_(exp_avg.div(exp_avg_sq.sqrt().add_(self.eps)).mul_(-step_size))
 
 

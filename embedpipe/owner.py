@@ -3,9 +3,11 @@
 The owner holds the table, the shared cache and the writeback thread (invariant 1: it is the only
 writer). Three kinds of code call it:
 
-- the loader, once per batch, in the training loop: :meth:`Owner.hand_off` (and
-  :meth:`Owner.before_lookup` when the lookup runs in the loop itself, ``num_workers=0``);
-- the gradient hook, during backward: :meth:`Owner.on_grad`;
+- the batch, in the training loop: :meth:`Owner.hand_off` when it is claimed and
+  :meth:`Owner.refresh` when the model reads it (NOTE [ Rows are final when the model first
+  reads them ] in ``batch.py``);
+- the gradient hook, during backward: :meth:`Owner.on_grad`, which adds to the table's pending
+  gradient (``gradient.py``), and the optimizer step that takes it: :meth:`Owner.submit`;
 - the writeback thread: :meth:`Owner.apply` per step, :meth:`Owner.clean_ahead` when idle.
 
 The hand-off and the writeback thread both change the cache; ``self.lock`` serialises them.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from typing import Any
 
 import numpy as np
@@ -29,6 +32,7 @@ from .batch import EmbeddedBatch
 from .cache import RowCache, SharedRows, Update
 from .checkpoints import Checkpoint
 from .errors import NonFiniteGradientError, TableWriteError, WritebackError
+from .gradient import TableGradient
 from .optim import RowOptimizer
 from .policy import LRU
 from .table import Table
@@ -53,7 +57,6 @@ class Owner:
         self.consistency = options["consistency"]
         self.max_staleness = options["max_staleness"] or 0
         self.padding_idx = options["padding_idx"]
-        self.grad_accumulation = options["grad_accumulation"]
         self.check_finite = options["check_finite"]
         self.owns_table = owns_table
         self.pid = os.getpid()  # a forked child inherits a copy of the owner, and owns nothing
@@ -70,20 +73,20 @@ class Owner:
             if optimizer is not None
             else None
         )
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # gradients being accumulated
+        self.gradient = (
+            TableGradient(table.dim, optimizer.lr, self.submit) if optimizer is not None else None
+        )
         self.counts = dict.fromkeys(("batches", "hits", "misses", "refreshed", "ring_overruns"), 0)
         self._step_in_progress: int | None = None  # for the messages of failed table writes
         self.closed = False
 
     # ------------------------------------------------------------------------- training loop
-    def before_lookup(self) -> None:
-        """Called before a lookup that runs in the training loop (``num_workers=0``): in exact
-        mode it must read rows after every submitted step is applied."""
-        if self.writeback is not None and self.consistency == "exact":
-            self.writeback.wait()
+    @property
+    def trains(self) -> bool:
+        return self.optimizer is not None
 
     def hand_off(self, item: LookedUp, rows: np.ndarray | None, pin: bool = False) -> EmbeddedBatch:
-        """Turn a worker's lookup into the batch the loop sees (main thread).
+        """Claim a worker's lookup as the batch the loop sees (main thread).
 
         ``rows`` is the batch's copy of its unique rows, or None when the owner must read them
         itself (its ring slot was overwritten, or workers do not read shared memory on this CPU);
@@ -92,8 +95,8 @@ class Owner:
         """
         self.check_open()
         ids = item.unique_ids
-        if self.writeback is not None:
-            self.writeback.wait(0 if self.consistency == "exact" else self.max_staleness)
+        self._wait_for_steps()
+        step = self.applied_step  # the cache holds at least these steps' updates from here on
         hits, misses = item.hits, item.misses
         with self.lock:
             if rows is None:
@@ -109,69 +112,92 @@ class Owner:
                     rows[stale] = self.cache.current(ids[stale])
                     self.counts["refreshed"] += len(stale)
             self.cache.admit(ids, rows)
+            tick = self.cache.clock
         self.counts["batches"] += 1
         self.counts["hits"] += hits
         self.counts["misses"] += misses
-        sink = self.on_grad if self.optimizer is not None else None
+        rows_tensor = torch.from_numpy(rows)
         return EmbeddedBatch(
             item.fields,
             torch.from_numpy(ids),
             torch.from_numpy(item.inverse),
-            torch.from_numpy(rows).pin_memory() if pin else torch.from_numpy(rows),
-            sink,
+            rows_tensor.pin_memory() if pin else rows_tensor,
+            self,
+            step=step,
+            tick=tick,
         )
 
+    def refresh(self, batch: EmbeddedBatch) -> None:
+        """Make a batch's rows final as the model reads them: if steps were submitted since its
+        rows were read (it waited in a prefetcher), wait for them and re-read the rows they
+        changed. Nothing to do in the common case, a batch read before the next step."""
+        if self.writeback is None:
+            return
+        behind = 0 if self.consistency == "exact" else self.max_staleness
+        if batch.step >= self.writeback.submitted - behind:
+            return
+        self.check_open()
+        self._wait_for_steps()
+        step = self.applied_step
+        ids = batch._unique_ids.numpy()
+        with self.lock:
+            stale = np.flatnonzero(self.cache.last_updated[ids] > batch.tick)
+            fresh = self.cache.current(ids[stale]) if len(stale) else None
+            tick = self.cache.clock
+        self.counts["refreshed"] += len(stale)
+        batch._refreshed(
+            torch.from_numpy(stale),
+            torch.from_numpy(fresh) if fresh is not None else torch.empty(0),
+            step,
+            tick,
+        )
+
+    def _wait_for_steps(self) -> None:
+        if self.writeback is not None:
+            self.writeback.wait(0 if self.consistency == "exact" else self.max_staleness)
+
     def on_grad(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
-        """The gradient hook: check, move to the CPU, and queue (runs inside backward)."""
+        """The gradient hook (inside backward): add the rows' gradient to the table's pending
+        gradient. The padding row gets none, as in ``nn.Embedding``: not even in a global norm."""
         if self.closed:
             raise RuntimeError(
                 "this EmbeddingPipe is closed: the embedding gradient of this batch cannot be applied"
             )
+        if self.padding_idx is not None:
+            keep = unique_ids != self.padding_idx
+            if not bool(keep.all()):
+                unique_ids, grad = unique_ids[keep], grad[keep.to(grad.device)]
+        self.gradient.add(unique_ids, grad)
+
+    def submit(self, ids: torch.Tensor, grad: torch.Tensor, lr: float | None) -> None:
+        """Queue one optimizer step of the rows ``ids`` (the pending gradient, taken by an
+        optimizer step or ``pipe.step()``); checked before anything is queued."""
+        self.check_open()
         if self.check_finite:
             bad = ~torch.isfinite(grad).all(dim=1)
-            if self.padding_idx is not None:  # never applied, as in nn.Embedding
-                bad &= (unique_ids != self.padding_idx).to(bad.device)
             if bool(bad.any()):
                 where = bad.nonzero()[:, 0].cpu()
-                ids = unique_ids[where].tolist()
+                bad_ids = ids[where].tolist()
                 value = grad[where[0]][~torch.isfinite(grad[where[0]])][0].item()
                 raise NonFiniteGradientError(
-                    f"non-finite embedding gradient ({value}) for id {ids[0]}"
-                    + (f" and {len(ids) - 1} more ids" if len(ids) > 1 else "")
+                    f"non-finite embedding gradient ({value}) for id {bad_ids[0]}"
+                    + (f" and {len(bad_ids) - 1} more ids" if len(bad_ids) > 1 else "")
                     + f" in step {self.writeback.submitted + 1}; nothing of this step was applied. "
                     "Lower the learning rate, clip gradients or check the loss; "
                     "check_finite=False skips this check"
                 )
-        self.pending.append(
-            (unique_ids, grad.detach().to("cpu", getattr(torch, self.table.dtype.name)))
-        )
-        if len(self.pending) >= self.grad_accumulation:
-            self.submit()
-
-    def submit(self) -> None:
-        """Sum the pending gradients per id and queue them as one optimizer step."""
-        if len(self.pending) == 1:
-            ids, grad = self.pending[0]
-        else:  # the same order of sums as .grad accumulation over the batches
-            ids, inverse = torch.unique(
-                torch.cat([i for i, _ in self.pending]), return_inverse=True
-            )
-            grad = torch.zeros(len(ids), self.table.dim, dtype=self.pending[0][1].dtype)
-            grad.index_add_(0, inverse, torch.cat([g for _, g in self.pending]))
-        self.pending = []
-        if self.padding_idx is not None:
-            keep = ids != self.padding_idx
-            ids, grad = ids[keep], grad[keep]
-        self.writeback.submit(ids.numpy(), grad)
+        grad = grad.detach().to("cpu", getattr(torch, self.table.dtype.name))
+        self.writeback.submit(ids.numpy(), grad, lr)
 
     # ------------------------------------------------------------------------- writeback thread
-    def apply(self, ids: np.ndarray, grad: torch.Tensor, step: int) -> None:
-        """One optimizer step; the update itself runs outside the lock, so hand-offs go on."""
+    def apply(self, ids: np.ndarray, grad: torch.Tensor, step: int, lr: float | None) -> None:
+        """One optimizer step (``lr`` None: the optimizer's own); the update itself runs outside
+        the lock, so hand-offs go on."""
         with self.lock:
             work = self.cache.gather(ids)
         try:
             before = work.copy() if (work.slots < 0).any() else work  # for a failed table write
-            _update_in_float32(self.optimizer, work, grad, step)
+            _update_in_float32(self.optimizer, work, grad, step, lr)
             with self.lock:
                 self._step_in_progress = step
                 tick = self.cache.scatter(work, before)
@@ -265,7 +291,8 @@ class Owner:
         self.cache._check()
         if self.writeback is not None:
             self.writeback.wait()
-        self.pending = []
+        if self.gradient is not None:
+            self.gradient.clear()
         with self.lock, self.cache._guard(f"loading the snapshot {source.path}"):
             self.cache.reset()
             self.table._restore(source.root, self.optimizer)
@@ -287,11 +314,15 @@ class Owner:
             return
         error: BaseException | None = None
         if self.writeback is not None:
-            if self.pending and self.cache.broken is None:
-                try:
-                    self.submit()  # the last, partial accumulation group
-                except (WritebackError, TableWriteError) as e:
-                    error, self.pending = e, []
+            if self.gradient.pending:
+                warnings.warn(
+                    f"the embedding gradient of {self.gradient.backwards} backward pass(es) was "
+                    "never taken by an optimizer step and is not applied (as torch drops a .grad "
+                    "no step used); call optimizer.step() or pipe.step() before close()",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            self.gradient.close()
             try:
                 self.writeback.close()
             except (WritebackError, TableWriteError) as e:
@@ -332,18 +363,18 @@ class Owner:
 
 
 def _update_in_float32(
-    optimizer: RowOptimizer, work: Update, grad: torch.Tensor, step: int
+    optimizer: RowOptimizer, work: Update, grad: torch.Tensor, step: int, lr: float | None
 ) -> None:
     """Run the optimizer on ``work`` in place; float16 rows are updated in float32 and rounded
     back, since an ``eps`` of 1e-8 and a squared gradient both vanish in float16."""
     rows = torch.from_numpy(work.rows)
     state = {name: torch.from_numpy(values) for name, values in work.state.items()}
     if rows.dtype in (torch.float32, torch.float64):
-        optimizer.update(rows, grad, state, step)
+        optimizer.update(rows, grad, state, step, lr=lr)
         return
     wide = {name: values.float() for name, values in state.items()}
     wide_rows = rows.float()
-    optimizer.update(wide_rows, grad.float(), wide, step)
+    optimizer.update(wide_rows, grad.float(), wide, step, lr=lr)
     rows.copy_(wide_rows)
     for name, values in state.items():
         values.copy_(wide[name])

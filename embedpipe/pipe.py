@@ -26,10 +26,12 @@ import weakref
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import Dataset
 
 from .checkpoints import Checkpoint
-from .errors import InvalidRowsError, TableExistsError
+from .errors import DistributedNotSupportedError, InvalidRowsError, TableExistsError
+from .hf import offloaded_embeddings
 from .optim import RowOptimizer
 from .owner import Owner
 from .policy import make_policy
@@ -58,9 +60,9 @@ class EmbeddingPipe:
         ``"exact"`` (default): each batch sees every update of the steps before it.
         ``"bounded"``: a batch may miss the last ``max_staleness`` steps' updates, never more.
     padding_idx:
-        An id whose row is looked up but never updated, as in ``nn.Embedding``.
-    grad_accumulation:
-        Batches whose gradients are summed into one optimizer step (see docs/training.md).
+        An id whose row is looked up but never updated, as in ``nn.Embedding`` (it gets no
+        gradient); also what the default collate pads ragged ids with. Default ``"table"``: the
+        one ``embedpipe.hf.offload`` recorded from the model, if any; ``None``: no padding row.
     check_finite:
         Raise :class:`~embedpipe.errors.NonFiniteGradientError` on a NaN/inf gradient (default).
     keep:
@@ -76,12 +78,14 @@ class EmbeddingPipe:
         optimizer: RowOptimizer | None = None,
         consistency: str = "exact",
         max_staleness: int | None = None,
-        padding_idx: int | None = None,
-        grad_accumulation: int = 1,
+        padding_idx: int | str | None = "table",
         check_finite: bool = True,
         keep: int | None = None,
+        grad_accumulation: Any = None,
     ) -> None:
         _check_options(cache_rows, consistency, max_staleness, grad_accumulation, keep)
+        if optimizer is not None:
+            _check_one_process()
         owns_table = not isinstance(table, Table)
         if owns_table:
             table = Table.open(table, "r+" if optimizer is not None else "r")
@@ -90,6 +94,8 @@ class EmbeddingPipe:
                 f"the pipe updates {table.path}: open it with Table.open(path, mode='r+')"
             )
         try:
+            if padding_idx == "table":
+                padding_idx = table.metadata.get("padding_idx")
             if padding_idx is not None and not 0 <= padding_idx < table.num_rows:
                 raise ValueError(f"padding_idx must be in [0, {table.num_rows}), got {padding_idx}")
             if optimizer is not None:
@@ -102,7 +108,6 @@ class EmbeddingPipe:
                     consistency=consistency,
                     max_staleness=max_staleness,
                     padding_idx=padding_idx,
-                    grad_accumulation=grad_accumulation,
                     check_finite=check_finite,
                 )
                 self._owner = Owner(
@@ -122,6 +127,10 @@ class EmbeddingPipe:
         self.table = table
         self.optimizer = optimizer
         self.consistency = consistency
+        self.padding_idx = padding_idx
+        if optimizer is not None:
+            for placeholder in offloaded_embeddings(table.path):
+                placeholder.attach(self.parameter)
         self._finalizer = weakref.finalize(self, _close_unclosed, self._owner, repr(self))
         self._finalizer.atexit = False  # _close_all_at_exit does it, earlier
         _unclosed.difference_update([f for f in _unclosed if not f.alive])
@@ -163,6 +172,49 @@ class EmbeddingPipe:
             **dataloader_kwargs,
         )
 
+    @property
+    def parameter(self) -> torch.nn.Parameter:
+        """The table's pending gradient, as a ``Parameter`` whose ``.grad`` it is (U, D).
+
+        It sits in the model where the embedding was (:meth:`attach`; ``offload`` does it), so
+        ``clip_grad_norm_(model.parameters())`` counts and scales it, ``zero_grad`` drops it and
+        an optimizer holding it sets the table's learning rate (``embedpipe/gradient.py``).
+        A model with no offloaded embedding: add it to your clipping and optimizer yourself.
+        """
+        if self._owner.gradient is None:
+            raise ValueError("a pipe without an optimizer trains nothing and has no parameter")
+        return self._owner.gradient.parameter
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Put :attr:`parameter` in ``model``, in the place of its offloaded word embeddings, so
+        that clipping and optimizers built from ``model.parameters()`` see the table.
+
+        Done by itself for models offloaded with ``embedpipe.hf.offload`` in this process.
+        """
+        from .hf import OffloadedEmbedding
+
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if not isinstance(embeddings, OffloadedEmbedding):
+            found = [m for m in model.modules() if isinstance(m, OffloadedEmbedding)]
+            if len(found) != 1:
+                raise ValueError(
+                    f"{type(model).__name__} has {len(found)} offloaded embedding modules; "
+                    "offload its word embeddings with embedpipe.hf.offload(model, path) first"
+                )
+            embeddings = found[0]
+        embeddings.attach(self.parameter)
+
+    def step(self) -> bool:
+        """Apply the pending gradient as one table step, at the row optimizer's learning rate.
+
+        For loops that train only the table: with a torch optimizer, its ``step()`` does this
+        (``docs/training.md``). Returns False when no gradient was pending.
+        """
+        self._owner.check_open()
+        if self._owner.gradient is None:
+            raise ValueError("this pipe has no optimizer: the table is frozen")
+        return self._owner.gradient.step()
+
     def stats(self) -> dict[str, int]:
         """Counters since the pipe opened: hits, misses, rows_read, rows_written, evictions, ..."""
         return self._owner.stats()
@@ -171,8 +223,7 @@ class EmbeddingPipe:
         """Apply every queued step and write every updated row and its state to the table's
         arrays (not a checkpoint: a crash still reopens at the last one).
 
-        Gradients of an unfinished ``grad_accumulation`` group stay pending (as ``.grad`` does
-        in torch across a checkpoint); ``close()`` applies them as a last step.
+        A gradient no optimizer step has taken yet stays pending (as ``.grad`` does in torch).
         """
         self._owner.flush()
 
@@ -180,7 +231,7 @@ class EmbeddingPipe:
         """Apply every queued step and commit the table, its optimizer state and the step as a
         checkpoint: a crash from now on reopens here. Returns the checkpoint (``seq``, ``step``,
         ``path``). The table keeps the last ``keep`` checkpoints (``Table.open(path, step=N)``
-        opens an older one). A partly accumulated gradient stays pending, as in :meth:`flush`.
+        opens an older one). A gradient no step has taken stays pending, as in :meth:`flush`.
         """
         return self._owner.checkpoint()
 
@@ -214,6 +265,9 @@ class EmbeddingPipe:
     def close(self) -> None:
         """Apply what is queued, write every updated row, commit a checkpoint, stop the writeback
         thread and release the table (closed too, if the pipe opened it).
+
+        A gradient that no optimizer step took is not applied, as torch never applies a
+        ``.grad`` no step used; a ``RuntimeWarning`` says so.
 
         If the writeback thread failed, the steps before the failure are still committed (the
         table's ``step`` says which) and the error is raised after that. If writing fails (a
@@ -293,6 +347,22 @@ def _describe_creator() -> str:
     return f"an EmbeddingPipe made at {where} (pid {os.getpid()})"
 
 
+def _check_one_process() -> None:
+    """A pipe trains its table from one process until the scale-out issue lands (see README)."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    rank = os.environ.get("RANK", "?")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world, rank = torch.distributed.get_world_size(), str(torch.distributed.get_rank())
+    if world > 1:
+        raise DistributedNotSupportedError(
+            f"this process is rank {rank} of {world} (torchrun, DDP or an initialised process "
+            "group), and an EmbeddingPipe that trains its table runs in one process only for "
+            "now: every rank would update its own copy (or wait on the table's lock). Train with "
+            "one process (python train.py), or open the table frozen (optimizer=None), which any "
+            "number of processes can read"
+        )
+
+
 def _prepare_table(table: Table, optimizer: RowOptimizer, keep: int | None) -> None:
     """The optimizer's state arrays, its configuration and ``keep`` in the table's metadata."""
     for name, fill in optimizer.state_init().items():
@@ -335,7 +405,12 @@ def _check_options(
         )
     if consistency == "exact" and max_staleness not in (None, 0):
         raise ValueError(f"max_staleness={max_staleness!r} needs consistency='bounded'")
-    if not isinstance(grad_accumulation, int) or grad_accumulation < 1:
-        raise ValueError(f"grad_accumulation must be an integer >= 1, got {grad_accumulation!r}")
+    if grad_accumulation is not None:
+        raise TypeError(
+            "EmbeddingPipe(grad_accumulation=...) was removed: the table now steps when your "
+            "optimizer steps, so accumulate as you do for the model (several backward() calls, "
+            "then optimizer.step()), or with Trainer's gradient_accumulation_steps, Lightning's "
+            "accumulate_grad_batches or accelerator.accumulate()"
+        )
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
         raise ValueError(f"keep must be an integer >= 1 (checkpoints kept), got {keep!r}")

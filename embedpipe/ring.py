@@ -9,8 +9,9 @@ NOTE [ Ring slots ]
 Worker ``w`` owns slots ``w * depth .. (w + 1) * depth - 1`` and uses them in turn, so no slot is
 ever handed between processes and no queue or lock is needed. The DataLoader keeps at most
 ``prefetch_factor`` batches of one worker in flight, and the owner copies the rows out of the slot
-at hand-off, before the batch reaches the training loop, so with ``depth = prefetch_factor + 1``
-a worker comes back to a slot only after the owner is done with it. Orders the DataLoader does
+when it claims the batch: as ``next()`` yields it from ``pipe.loader``, or one batch later when a
+framework's loader holds it unclaimed one ahead (``batch.py``), so with
+``depth = prefetch_factor + 2`` a worker comes back to a slot only after the owner is done with it. Orders the DataLoader does
 not promise (an iterable dataset whose workers run out at different times, ``in_order=False``)
 could break that, and so could two iterators of one loader alive at once (their workers share
 the slots), so every slot carries a tag, written like a seqlock: the worker makes it odd, writes

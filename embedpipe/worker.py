@@ -3,13 +3,15 @@
 The worker collates the user's samples with the user's collate function, then looks up the
 batch's embeddings: deduplicate the ids, copy hits out of the shared cache (seqlock-validated),
 read the misses from the table through the worker's own read-only handle, and put the unique rows
-into the worker's next ring slot. What goes back to the owner is a :class:`LookedUp`: the collated
-fields, the unique ids, the inverse index and the slot number, never the (B, L, D) embeddings.
+into the worker's next ring slot. What goes back to the owner is an unclaimed
+:class:`~embedpipe.batch.EmbeddedBatch` holding a :class:`LookedUp`: the collated fields, the
+unique ids, the inverse index and the slot number, never the (B, L, D) embeddings.
 """
 
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from .batch import EmbeddedBatch, Source, register_source
 from .cache import SharedRows
 from .errors import IdOutOfRangeError
 from .ids import as_ids
@@ -47,13 +50,6 @@ class LookedUp:
     hits: int
     misses: int
 
-    def pin_memory(self) -> LookedUp:
-        """Called by the DataLoader's pin-memory thread; the rows are pinned at hand-off
-        (``PipeLoader``), since they are copied out of the ring there."""
-        from torch.utils.data._utils.pin_memory import pin_memory
-
-        return LookedUp(**{**self.__dict__, "fields": pin_memory(self.fields)})
-
 
 class Lookup:
     """The collate function the DataLoader runs: the user's collate, then the embedding lookup.
@@ -71,6 +67,7 @@ class Lookup:
         table: Table,
         cache: SharedRows | None,
         ring: BatchRing | None,
+        source: Source,
     ) -> None:
         self.collate = collate
         self.ids_key = ids_key
@@ -81,9 +78,12 @@ class Lookup:
         self.ring = ring
         self._table: Table | None = table
         self._pid = os.getpid()
+        self.key = uuid.uuid4().hex  # names the source to the batches, in this process only
+        self._source = source  # kept alive with the loader (the registry is weak)
+        register_source(self.key, source)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_table": None}
+        return {**self.__dict__, "_table": None, "_source": None}
 
     def table(self) -> Table:
         if self._table is None or self._pid != os.getpid():  # a new process: its own handle
@@ -91,7 +91,7 @@ class Lookup:
             self._pid = os.getpid()
         return self._table
 
-    def __call__(self, samples: list[Any]) -> LookedUp:
+    def __call__(self, samples: list[Any]) -> EmbeddedBatch:
         fields = self.collate(samples)
         if not isinstance(fields, Mapping) or self.ids_key not in fields:
             keys = list(fields) if isinstance(fields, Mapping) else type(fields).__name__
@@ -102,7 +102,8 @@ class Lookup:
         ids = as_ids(fields[self.ids_key], self.num_rows, what="batch ids")
         unique_ids, inverse = np.unique(ids, return_inverse=True)
         if self.cache is None:  # the owner reads the rows (lookup_step -1 says so)
-            return LookedUp(fields, unique_ids, inverse.reshape(ids.shape), -1, 0, None, -1, 0, 0)
+            item = LookedUp(fields, unique_ids, inverse.reshape(ids.shape), -1, 0, None, -1, 0, 0)
+            return EmbeddedBatch._looked_up(item, self.key)
         lookup_step = self.cache.applied_step  # before any row is read (invariant 4)
         rows, hit = self.cache.read(unique_ids)
         miss = np.flatnonzero(~hit)
@@ -112,7 +113,7 @@ class Lookup:
         placed = (
             self.ring.write(info.id, rows) if self.ring is not None and info is not None else None
         )
-        return LookedUp(
+        item = LookedUp(
             fields=fields,
             unique_ids=unique_ids,
             inverse=inverse.reshape(ids.shape),
@@ -123,6 +124,7 @@ class Lookup:
             hits=len(unique_ids) - len(miss),
             misses=len(miss),
         )
+        return EmbeddedBatch._looked_up(item, self.key)
 
 
 class CheckedDataset(Dataset):

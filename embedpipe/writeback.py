@@ -1,7 +1,7 @@
 """The writeback queue and the thread that drains it (runs in the owner process).
 
 The training loop's backward hands each step's (U, D) gradient to :meth:`Writeback.submit`; the
-thread applies the sparse optimizer to the rows through ``apply(ids, grad, step)`` and publishes
+thread applies the sparse optimizer to the rows through ``apply(ids, grad, step, lr)`` and publishes
 how many steps are applied; when the queue is empty it runs ``idle()``, where the pipe writes the
 coldest dirty rows to the table so that the next evictions find clean slots. The training loop waits on that count (:meth:`wait`) before it hands
 out a batch: for every step in exact mode, for all but ``max_staleness`` steps in bounded mode.
@@ -46,11 +46,13 @@ __all__ = ["GradBatch", "Stop", "Writeback", "WritebackError"]
 
 @dataclass(frozen=True)
 class GradBatch:
-    """One optimizer step: ``grad`` (U, D) on the CPU for ``ids`` (U,) unique int64."""
+    """One optimizer step: ``grad`` (U, D) on the CPU for ``ids`` (U,) unique int64, at the
+    learning rate ``lr`` (None: the row optimizer's own)."""
 
     ids: np.ndarray
     grad: torch.Tensor
     step: int
+    lr: float | None = None
 
 
 @dataclass(frozen=True)
@@ -63,12 +65,12 @@ class Writeback:
 
     def __init__(
         self,
-        apply: Callable[[np.ndarray, torch.Tensor, int], None],
+        apply: Callable[[np.ndarray, torch.Tensor, int, float | None], None],
         *,
         idle: Callable[[], None] | None = None,
         step: int = 0,
     ) -> None:
-        """``apply(ids, grad, step)`` runs one step; ``idle()`` runs after a step when nothing
+        """``apply(ids, grad, step, lr)`` runs one step; ``idle()`` runs after a step when nothing
         else is queued (the pipe writes cold dirty rows back ahead of need there)."""
         self._apply = apply
         self._idle = idle
@@ -87,11 +89,11 @@ class Writeback:
         """Gradient batches submitted and not yet applied."""
         return self.submitted - self.applied
 
-    def submit(self, ids: np.ndarray, grad: torch.Tensor) -> int:
+    def submit(self, ids: np.ndarray, grad: torch.Tensor, lr: float | None = None) -> int:
         """Queue one optimizer step; returns its step number (see the NOTE on signals)."""
         self.raise_error()
         self.submitted += 1
-        self._queue.put(GradBatch(ids, grad, self.submitted))
+        self._queue.put(GradBatch(ids, grad, self.submitted, lr))
         return self.submitted
 
     def wait(self, behind: int = 0, timeout: float | None = None) -> None:
@@ -180,7 +182,7 @@ class Writeback:
             if self._error is not None:
                 continue  # after a failure, apply nothing more (later steps build on the lost one)
             try:
-                self._apply(item.ids, item.grad, item.step)
+                self._apply(item.ids, item.grad, item.step, item.lr)
             except BaseException as e:  # carried to the training loop, see the NOTE
                 self._error = (item.step, e)
             with self._applied:

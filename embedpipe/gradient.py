@@ -1,0 +1,192 @@
+"""The table's gradient as a torch ``Parameter``: accumulated by backward, seen by clipping, and
+taken by the optimizer step.
+
+An ``nn.Embedding`` trains inside the frameworks people use because its gradient is an ordinary
+``.grad``: backward passes add to it, ``clip_grad_norm_`` counts and scales it, ``zero_grad``
+drops it, and ``optimizer.step()`` applies it with the learning rate the schedule set. The
+offloaded table gets the same by holding its pending gradient in :attr:`TableGradient.parameter`::
+
+    parameter: (U, D), a stride-0 view of one zero (no memory)   .grad: (U, D), the gradient of
+    ids (U,) sorted, the rows the gradient is for                        those rows, summed as
+                                                                         backward passes add up
+
+The parameter sits in the model where the ``nn.Embedding`` was (``embedpipe.hf.offload``), so
+``model.parameters()`` yields it in the embedding's place and a global norm sums it in the same
+order. The step is taken in torch's global optimizer step pre-hook, before the optimizer reads
+any ``.grad``: the gradient is taken off the parameter (``.grad = None``, so AdamW and friends
+skip it) and queued as one table step, with the learning rate of the parameter group that holds
+it. A ``step(closure)`` (Lightning) computes the gradient inside the step, after clipping: then
+the step is taken when the closure returns.
+
+NOTE [ The table's learning rate ]
+The row optimizer's ``lr`` is the table's learning rate, and a schedule reaches it through the
+group that holds the parameter:
+
+- a group of its own (``{"params": [pipe.parameter], "lr": 0.05}``, what ``embedpipe.hf.Trainer``
+  makes): its ``lr`` is the table's, read at every step, so a scheduler sets it exactly as it
+  sets the matching group of a torch ``Adagrad``;
+- a group shared with dense weights (``AdamW(model.parameters())``): the row optimizer's ``lr``
+  times the group's schedule factor, ``group["lr"] / group["initial_lr"]`` (``initial_lr`` is set
+  by every torch scheduler; without one the factor is 1);
+- in no optimizer (``pipe.step()``, or an optimizer without it): the row optimizer's ``lr``.
+
+Other hyperparameters of the group (AdamW's weight decay, betas, eps) do not apply to the table.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+#: Called with (ids (U,) CPU int64, grad (U, D) on the gradient's device, lr or None) per step.
+StepSink = Callable[[torch.Tensor, torch.Tensor, "float | None"], None]
+
+#: Backward passes with no optimizer step ever seen before the pipe warns that none may come.
+PILE_UP_WARNING = 100
+
+
+class TableGradient:
+    """The pending gradient of the table's rows, as :attr:`parameter`'s ``.grad``."""
+
+    def __init__(self, dim: int, base_lr: float, on_step: StepSink) -> None:
+        self.parameter = nn.Parameter(torch.empty(0, dim))
+        self.ids: torch.Tensor | None = None  # the rows of parameter.grad, sorted
+        self.base_lr = base_lr
+        self.on_step = on_step
+        self.backwards = 0  # backward passes added since the last step
+        self.steps = 0  # steps taken
+        self._home = False  # an optimizer that holds the parameter has stepped
+        self._homeless_step = False  # a step was taken by one that does not, before that
+        self._warned = False
+        ref = weakref.ref(self)
+
+        def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+            gradient = ref()
+            return None if gradient is None else gradient._pre_step(optimizer, args, kwargs)
+
+        self._hook = register_optimizer_step_pre_hook(pre_step)
+
+    # ----------------------------------------------------------------------------- backward
+    @property
+    def pending(self) -> bool:
+        """A gradient has been accumulated and no step has taken it (nor ``zero_grad`` dropped it)."""
+        return self.parameter.grad is not None and self.ids is not None
+
+    def add(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add one backward pass's gradient ``grad`` (U, D) of the rows ``ids`` (U,) sorted.
+
+        Sums as ``.grad`` accumulation does, bit for bit: a row in both gets ``old + new``; a
+        row in one gets its value (``0 + x`` is ``x``)."""
+        held = self.parameter.grad
+        self.backwards += 1
+        if not self.pending or held.shape[0] != len(self.ids):  # dropped by zero_grad: start anew
+            self._hold(ids, grad)
+        else:
+            both, where = torch.unique(torch.cat([self.ids, ids]), return_inverse=True)
+            old, new = where[: len(self.ids)].to(held.device), where[len(self.ids) :].to(held.device)
+            if len(both) == len(self.ids):  # no new rows: add in place, as AccumulateGrad does
+                held.index_add_(0, new, grad.to(held.dtype))
+            else:
+                total = held.new_zeros(len(both), held.shape[1])
+                total.index_add_(0, old, held)
+                total.index_add_(0, new, grad.to(held.dtype))
+                self._hold(both, total)
+        if self.steps == 0 and self.backwards == PILE_UP_WARNING and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"{self.backwards} backward passes have added to the embedding table's gradient "
+                "and no optimizer has stepped: the table is trained when a torch optimizer steps "
+                "(optimizer.step()) or when pipe.step() is called",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def _hold(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        param = self.parameter
+        param.grad = None
+        param.data = grad.new_zeros(()).expand(grad.shape)  # the shape .grad needs, no memory
+        param.grad = grad
+        self.ids = ids
+
+    def clear(self) -> None:
+        """Drop the pending gradient, as ``zero_grad()`` does."""
+        param = self.parameter
+        param.grad = None
+        param.data = param.data.new_empty(0, param.shape[1])
+        self.ids = None
+        self.backwards = 0
+
+    # ----------------------------------------------------------------------------- the step
+    def step(self, lr: float | None = None) -> bool:
+        """Take the pending gradient as one table step (``lr`` None: the row optimizer's).
+
+        Returns False when there was nothing to take."""
+        if not self.pending:
+            self.clear()
+            return False
+        ids, grad = self.ids, self.parameter.grad
+        self.on_step(ids, grad, lr)  # raises before anything is taken on bad input
+        self.clear()
+        self.steps += 1
+        return True
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+        """torch's global step pre-hook: ``args`` is ``(optimizer, *step args)``."""
+        group = next(
+            (g for g in optimizer.param_groups if any(p is self.parameter for p in g["params"])),
+            None,
+        )
+        if group is None and self._home:
+            return None  # the optimizer that holds the parameter takes the steps
+        if group is not None:
+            if self._homeless_step:
+                raise RuntimeError(
+                    "the embedding table stepped with an optimizer that does not hold its "
+                    f"parameter, before this {type(optimizer).__name__}, which does: step the "
+                    "optimizer that holds pipe.parameter first, or leave it out of the others"
+                )
+            self._home = True
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if closure is None:
+            self._step_for(group)
+            return None
+        calls = 0
+
+        def closure_then_step() -> Any:  # the gradient exists (and is clipped) after the closure
+            nonlocal calls
+            calls += 1
+            if calls > 1:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step() called its closure twice; an offloaded "
+                    "table takes one gradient per step (optimizers such as LBFGS are not supported)"
+                )
+            out = closure()
+            self._step_for(group)
+            return out
+
+        if len(args) > 1:
+            return (args[0], closure_then_step, *args[2:]), kwargs
+        return args, {**kwargs, "closure": closure_then_step}
+
+    def _step_for(self, group: dict[str, Any] | None) -> None:
+        if self.step(self._group_lr(group)) and group is None:
+            self._homeless_step = True
+
+    def _group_lr(self, group: dict[str, Any] | None) -> float | None:
+        """The table's learning rate for a step by the optimizer group ``group`` (see the NOTE)."""
+        if group is None:
+            return None
+        lr = float(group["lr"])
+        if len(group["params"]) == 1:
+            return lr
+        initial = float(group.get("initial_lr", 0.0))
+        return self.base_lr * (lr / initial) if initial else None
+
+    def close(self) -> None:
+        self._hook.remove()

@@ -1,0 +1,155 @@
+"""``embedpipe.hf.Trainer``: a ``transformers.Trainer`` whose word embeddings live in a pipe.
+
+Used exactly like ``transformers.Trainer``, with one more argument::
+
+    table = embedpipe.hf.offload(model, "vocab.zarr")
+    pipe = embedpipe.EmbeddingPipe(table, cache_rows=..., optimizer=embedpipe.optim.Adagrad(lr=0.05))
+    trainer = embedpipe.hf.Trainer(model=model, args=args, train_dataset=ds, pipe=pipe)
+    trainer.train()
+
+What it changes, and nothing else:
+
+- **Loaders.** Every loader Trainer builds (training, evaluation, prediction) is ``pipe.loader``
+  with Trainer's own sampler, batch size, workers and collator: Trainer's ``_get_dataloader``
+  runs with ``pipe.loader`` in the place of ``DataLoader``. Accelerate prepares it like any
+  DataLoader (device placement, its one-ahead fetch, ``skip_first_batches`` on resume).
+- **Inputs.** A batch reaches the model as ``inputs_embeds`` (made on the device, from the rows
+  made final there) plus the other fields; the ids are left out, as models refuse both.
+- **Optimizer.** The table's gradient parameter gets a group of its own in Trainer's optimizer,
+  at the row optimizer's learning rate and no weight decay: ``max_grad_norm`` clips it within
+  the one global norm (the logged ``grad_norm`` counts it), ``gradient_accumulation_steps`` sums
+  it, the scheduler scales it, and Trainer's ``optimizer.step()`` steps the table.
+- **Checkpoints.** Every ``checkpoint-N/`` holds ``embedpipe-table/``, a snapshot of the table
+  at step N (hard links, see ``Table`` checkpoints), written before Trainer's own files;
+  ``train(resume_from_checkpoint=...)`` and ``load_best_model_at_end`` load it back, into any
+  table of the same shape. ``save_model()`` writes a folder ``from_pretrained`` loads with the
+  trained word embeddings in it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+import transformers
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from .batch import INPUTS_EMBEDS, EmbeddedBatch
+from .collate import PadCollator
+from .pipe import EmbeddingPipe
+
+#: The folder inside each of Trainer's checkpoint folders that holds the table's snapshot.
+TABLE_FOLDER = "embedpipe-table"
+
+
+class Trainer(transformers.Trainer):
+    """``transformers.Trainer`` with its word embeddings in ``pipe`` (see the module doc).
+
+    ``pipe`` must train the table (have an optimizer) and be made over the table the model was
+    offloaded to; ``ids_key`` is the field of the token ids (``"input_ids"``). Without a
+    ``data_collator`` or tokenizer, ragged token lists are padded with the pipe's
+    ``padding_idx`` (:class:`~embedpipe.collate.PadCollator`).
+    """
+
+    def __init__(
+        self, *args: Any, pipe: EmbeddingPipe, ids_key: str = "input_ids", **kwargs: Any
+    ) -> None:
+        if not isinstance(pipe, EmbeddingPipe):
+            raise TypeError(f"pipe must be an embedpipe.EmbeddingPipe, got {type(pipe).__name__}")
+        if pipe.optimizer is None:
+            raise ValueError(
+                "embedpipe.hf.Trainer trains the table: give the pipe an optimizer "
+                "(for a frozen table, use transformers.Trainer with pipe.loader)"
+            )
+        self.pipe = pipe
+        self.ids_key = ids_key
+        model = kwargs.get("model", args[0] if args else None)
+        if model is not None:
+            pipe.attach(model)
+        if kwargs.get("data_collator") is None and kwargs.get("processing_class") is None:
+            kwargs["data_collator"] = PadCollator(pipe.padding_idx, ids_key)
+        self._checkpointing = False
+        super().__init__(*args, **kwargs)
+
+    # ----------------------------------------------------------------------------- data
+    def _get_dataloader(self, dataset: Any, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's own loader, built by ``pipe.loader`` instead of ``DataLoader``."""
+        pipe, ids_key = self.pipe, self.ids_key
+
+        def make(data: Any, **params: Any) -> Any:
+            return pipe.loader(data, ids_key=ids_key, **params)
+
+        module = transformers.trainer
+        original, module.DataLoader = module.DataLoader, make
+        try:
+            return super()._get_dataloader(dataset, *args, **kwargs)
+        finally:
+            module.DataLoader = original
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        if not isinstance(inputs, EmbeddedBatch):
+            return super()._prepare_inputs(inputs)
+        batch = inputs.to(self.args.device)
+        prepared = {k: v for k, v in batch.fields.items() if k != self.ids_key}
+        prepared[INPUTS_EMBEDS] = batch[INPUTS_EMBEDS]  # the model's first read: rows final here
+        return prepared
+
+    # ----------------------------------------------------------------------------- optimizer
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        """Trainer's optimizer over the dense weights, plus a group of the table's own."""
+        parameter = self.pipe.parameter
+        if self.optimizer is not None:
+            return super().create_optimizer(model)
+        parameter.requires_grad_(False)  # Trainer groups only parameters that require grad
+        try:
+            optimizer = super().create_optimizer(model)
+        finally:
+            parameter.requires_grad_(True)
+        optimizer.add_param_group(
+            {"params": [parameter], "lr": self.pipe.optimizer.lr, "weight_decay": 0.0}
+        )
+        return optimizer
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        snapshot = os.path.join(self._get_output_dir(trial=trial), folder, TABLE_FOLDER)
+        if self.args.should_save:
+            if os.path.exists(snapshot):  # the same step saved again
+                shutil.rmtree(snapshot)
+            self.pipe.save_checkpoint(snapshot)  # first: a folder without it is no checkpoint
+        self._checkpointing = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._checkpointing = False
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save the model for ``from_pretrained``, with the table's trained rows as its word
+        embeddings (within a checkpoint, the table is saved apart, as a snapshot)."""
+        if self._checkpointing:
+            super().save_model(output_dir, _internal_call)
+            return
+        from .hf import restored
+
+        with restored(self.model, self.pipe):
+            super().save_model(output_dir, _internal_call)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._load_table(resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        super()._load_best_model()
+        self._load_table(self.state.best_model_checkpoint)
+
+    def _load_table(self, checkpoint: str) -> None:
+        snapshot = os.path.join(checkpoint, TABLE_FOLDER)
+        if not os.path.isdir(snapshot):
+            raise FileNotFoundError(
+                f"{checkpoint} holds no table snapshot ({TABLE_FOLDER}/): it was not saved by "
+                "embedpipe.hf.Trainer, or the save was interrupted; resume from another checkpoint"
+            )
+        self.pipe.load_checkpoint(snapshot)
