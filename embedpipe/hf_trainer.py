@@ -119,6 +119,7 @@ class Trainer(transformers.Trainer):
         if self.args.should_save:
             if os.path.exists(snapshot):  # the same step saved again
                 shutil.rmtree(snapshot)
+            os.makedirs(os.path.dirname(snapshot), exist_ok=True)
             self.pipe.save_checkpoint(snapshot)  # first: a folder without it is no checkpoint
         self._checkpointing = True
         try:
