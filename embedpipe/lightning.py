@@ -1,0 +1,69 @@
+"""Lightning: a callback that keeps an offloaded table in step with the LightningModule.
+
+::
+
+    pipe = embedpipe.EmbeddingPipe(table, cache_rows=..., optimizer=embedpipe.optim.Adagrad(lr=0.05))
+    trainer = lightning.Trainer(callbacks=[embedpipe.lightning.PipeCallback(pipe)],
+                                gradient_clip_val=1.0, accumulate_grad_batches=4)
+    trainer.fit(module, train_dataloaders=pipe.loader(dataset, batch_size=32))
+
+Nothing else is needed for the training itself: the table's gradient parameter sits in the module
+(``embedpipe.hf.offload``; the callback attaches it otherwise), so ``configure_optimizers`` over
+``self.parameters()`` holds it, ``gradient_clip_val`` clips it in the global norm, and the table
+steps when Lightning's optimizer steps (after the closure that runs backward and clipping).
+
+The callback makes Lightning's checkpoints hold the table. Lightning writes a checkpoint as one
+file and does not tell its callbacks where, so each checkpoint's table is a snapshot of its own
+(hard links: only chunks changed since take space), in ``<dirpath>/embedpipe/step-<N>`` beside the
+checkpoint files, and the checkpoint records its path. ``trainer.fit(ckpt_path=...)`` loads it
+back. Snapshots are kept when Lightning deletes a checkpoint (``save_top_k``): delete those of
+checkpoints you no longer need.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning
+
+from .checkpoints import snapshot
+from .pipe import EmbeddingPipe
+
+#: The key of the table in a Lightning checkpoint.
+CHECKPOINT_KEY = "embedpipe"
+
+
+class PipeCallback(lightning.Callback):
+    """Attach ``pipe`` to the module being fitted and keep its table in every checkpoint."""
+
+    def __init__(self, pipe: EmbeddingPipe) -> None:
+        if pipe.optimizer is None:
+            raise ValueError("PipeCallback trains the table: give the pipe an optimizer")
+        self.pipe = pipe
+
+    def setup(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, stage: str) -> None:
+        if all(p is not self.pipe.parameter for p in pl_module.parameters()):
+            self.pipe.attach(pl_module)
+
+    def on_save_checkpoint(
+        self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        committed = self.pipe.checkpoint()
+        root = getattr(trainer.checkpoint_callback, "dirpath", None) or trainer.default_root_dir
+        folder = os.path.abspath(os.path.join(root, "embedpipe", f"step-{committed.step}"))
+        if not os.path.exists(folder):  # the same step saved twice (last.ckpt) shares one
+            os.makedirs(os.path.dirname(folder), exist_ok=True)
+            snapshot(committed.path, folder)
+        checkpoint[CHECKPOINT_KEY] = {"snapshot": folder, "step": committed.step}
+
+    def on_load_checkpoint(
+        self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if saved is None:
+            raise KeyError(
+                "this Lightning checkpoint holds no embedpipe table: it was saved without "
+                "embedpipe.lightning.PipeCallback; resume from one saved with it"
+            )
+        self.pipe.load_checkpoint(saved["snapshot"])

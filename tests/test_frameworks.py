@@ -1,0 +1,362 @@
+"""Plain loops, Accelerate and Lightning against the same loop with nn.Embedding: the same table.
+
+Every run clips with a norm small enough to clip every step, so the table's gradient must be in
+the one global norm; most accumulate over 2 batches and fetch one batch ahead (Accelerate's
+DataLoaderShard and Lightning on a dataset without ``__len__`` do), so the rows must be final
+when the model reads them, not when ``next()`` returned the batch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.nn.utils import clip_grad_norm_
+
+import embedpipe
+
+from .frameworks import (
+    DENSE_LR,
+    TABLE_LR,
+    bert,
+    dense_state,
+    offloaded,
+    samples,
+    with_adagrad_table,
+)
+
+pytest.importorskip("transformers")
+
+CLIP = 0.05
+
+
+def dense_parameters(model):
+    return [p for n, p in model.named_parameters() if "word_embeddings" not in n]
+
+
+def warmup(optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
+
+
+def batches_one_ahead(loader):
+    """What a prefetching framework does: the next batch is fetched before this one trains."""
+    iterator = iter(loader)
+    ahead = next(iterator, None)
+    while ahead is not None:
+        batch, ahead = ahead, next(iterator, None)
+        yield batch
+
+
+def plain_loop(model, optimizer, batches, *, inputs, accumulate=2, schedule=True):
+    """The loop people write: accumulate, clip the model's parameters, step, schedule."""
+    scheduler = warmup(optimizer) if schedule else None
+    for i, batch in enumerate(batches):
+        out = model(**inputs(batch), labels=batch["labels"])
+        (out.loss / accumulate).backward()
+        if (i + 1) % accumulate == 0:
+            clip_grad_norm_(model.parameters(), CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
+
+
+def reference_inputs(batch):
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def offloaded_inputs(batch):
+    return {"inputs_embeds": batch["inputs_embeds"], "attention_mask": batch["attention_mask"]}
+
+
+def reference_run(data, batch_size=4, **loop):
+    model = bert()
+    optimizer = with_adagrad_table(
+        torch.optim.AdamW(dense_parameters(model), lr=DENSE_LR, eps=1e-6),
+        model.get_input_embeddings().weight,
+    )
+    loader = torch.utils.data.DataLoader(data, batch_size=batch_size)
+    plain_loop(model, optimizer, loader, inputs=reference_inputs, **loop)
+    return model.get_input_embeddings().weight.detach(), model
+
+
+@pytest.fixture(scope="module")
+def data():
+    return samples(32)
+
+
+@pytest.fixture(scope="module")
+def reference(data):
+    return reference_run(data)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["next-then-train", "one-ahead"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_plain_loop_with_its_own_table_group_is_exact(tmp_path, data, reference, ahead, workers):
+    model = bert()
+    with offloaded(model, tmp_path / "t.zarr") as pipe:
+        dense = dense_parameters(model)
+        optimizer = torch.optim.AdamW(
+            [{"params": dense}, {"params": [pipe.parameter], "lr": TABLE_LR}],
+            lr=DENSE_LR,
+            eps=1e-6,
+        )
+        loader = pipe.loader(data, batch_size=4, num_workers=workers)
+        batches = batches_one_ahead(loader) if ahead else loader
+        plain_loop(model, optimizer, batches, inputs=offloaded_inputs)
+    table = embedpipe.Table.open(tmp_path / "t.zarr").to_tensor()
+    assert torch.equal(table, reference[0])
+    assert dense_state(model).keys() == dense_state(reference[1]).keys()
+    assert all(torch.equal(v, dense_state(reference[1])[k]) for k, v in dense_state(model).items())
+
+
+def test_adamw_over_model_parameters_trains_the_table_at_its_own_rate(tmp_path, data):
+    # No scheduler: the table's group is shared with the dense weights, the factor is 1.
+    expected, _ = reference_run(data, schedule=False)
+    model = bert()
+    with offloaded(model, tmp_path / "t.zarr") as pipe:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=DENSE_LR, eps=1e-6)
+        assert any(p is pipe.parameter for p in model.parameters())
+        plain_loop(
+            model, optimizer, pipe.loader(data, batch_size=4), inputs=offloaded_inputs, schedule=False
+        )
+        assert not optimizer.state.get(pipe.parameter)  # AdamW never saw a gradient of it
+    assert torch.equal(embedpipe.Table.open(tmp_path / "t.zarr").to_tensor(), expected)
+
+
+def test_clipping_without_the_table_would_differ(tmp_path, data, reference):
+    """The test above can fail: clipping only the dense weights trains another table."""
+    model = bert()
+    with offloaded(model, tmp_path / "t.zarr") as pipe:
+        optimizer = torch.optim.AdamW(
+            [{"params": dense_parameters(model)}, {"params": [pipe.parameter], "lr": TABLE_LR}],
+            lr=DENSE_LR,
+            eps=1e-6,
+        )
+        scheduler = warmup(optimizer)
+        for i, batch in enumerate(pipe.loader(data, batch_size=4)):
+            (model(**offloaded_inputs(batch), labels=batch["labels"]).loss / 2).backward()
+            if i % 2:
+                clip_grad_norm_(dense_parameters(model), CLIP)
+                optimizer.step()
+                optimizer.zero_grad()
+                scheduler.step()
+    table = embedpipe.Table.open(tmp_path / "t.zarr").to_tensor()
+    assert float((table - reference[0]).abs().max()) > 1e-3
+
+
+def test_zero_grad_drops_the_tables_gradient_as_it_drops_any(tmp_path, data):
+    model = bert()
+    with offloaded(model, tmp_path / "t.zarr") as pipe:
+        optimizer = torch.optim.AdamW(model.parameters())
+        batch = next(iter(pipe.loader(data, batch_size=4)))
+        model(**offloaded_inputs(batch), labels=batch["labels"]).loss.backward()
+        assert pipe.parameter.grad is not None
+        optimizer.zero_grad()
+        assert pipe.parameter.grad is None
+        assert not pipe.step()  # nothing pending
+    assert embedpipe.Table.open(tmp_path / "t.zarr").step == 0
+
+
+def test_a_pipe_in_a_process_group_of_two_raises_naming_what_works(tmp_path, monkeypatch):
+    embedpipe.Table.create(tmp_path / "t.zarr", 50, 4).close()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(embedpipe.errors.DistributedNotSupportedError, match="rank 1 of 2"):
+        embedpipe.EmbeddingPipe(
+            tmp_path / "t.zarr", cache_rows=10, optimizer=embedpipe.optim.SGD(lr=1)
+        )
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=10) as frozen:  # reads are fine
+        assert frozen.optimizer is None
+    embedpipe.Table.open(tmp_path / "t.zarr", "r+").close()  # nothing left locked
+
+
+def _rank(rank: int, path: str, init: str, results: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        embedpipe.EmbeddingPipe(path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=1))
+        outcome = "no error"
+    except embedpipe.errors.DistributedNotSupportedError as e:
+        outcome = str(e)
+    finally:
+        torch.distributed.destroy_process_group()
+    with open(os.path.join(results, f"rank{rank}"), "w") as f:
+        f.write(outcome)
+
+
+def test_every_rank_of_a_real_process_group_gets_the_error(tmp_path):
+    embedpipe.Table.create(tmp_path / "t.zarr", 50, 4).close()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    torch.multiprocessing.spawn(
+        _rank, args=(str(tmp_path / "t.zarr"), init, str(tmp_path)), nprocs=2, join=True
+    )
+    for rank in (0, 1):
+        text = (tmp_path / f"rank{rank}").read_text()
+        assert f"rank {rank} of 2" in text and "one process" in text
+
+
+def test_padding_comes_from_the_offloaded_model_by_default(tmp_path, data):
+    model = bert()
+    with offloaded(model, tmp_path / "t.zarr") as pipe:
+        assert pipe.padding_idx == 0
+        ragged = [{"input_ids": list(range(1, 1 + n)), "labels": n % 2} for n in (3, 5, 4)]
+        batch = next(iter(pipe.loader(ragged, batch_size=3)))
+        assert batch["input_ids"].tolist()[0] == [1, 2, 3, 0, 0]
+        assert batch["attention_mask"].tolist()[0] == [1, 1, 1, 0, 0]
+        assert batch["inputs_embeds"].shape == (3, 5, 32)
+
+
+# ------------------------------------------------------------------------------------ Accelerate
+def accelerate_run(model, optimizer, loader, inputs, *, save_at=None, resume=None):
+    """An Accelerate loop: accumulate 2, clip when gradients sync, schedule; ``save_at`` saves
+    the state after that many batches; ``resume`` loads one and skips the batches it had seen."""
+    accelerate = pytest.importorskip("accelerate")
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    pipe = getattr(loader, "pipe", None)
+    if pipe is not None:  # the table goes with the rest of the state
+        accelerator.register_save_state_pre_hook(
+            lambda models, weights, folder: pipe.save_checkpoint(os.path.join(folder, "table"))
+        )
+        accelerator.register_load_state_pre_hook(
+            lambda models, folder: pipe.load_checkpoint(os.path.join(folder, "table"))
+        )
+    scheduler = warmup(optimizer)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    assert isinstance(loader, accelerate.data_loader.DataLoaderShard)  # prepared, not passed by
+    batches = loader
+    if resume is not None:
+        accelerator.load_state(resume[0])
+        batches = accelerator.skip_first_batches(loader, resume[1])
+    for i, batch in enumerate(batches):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**inputs(batch), labels=batch["labels"]).loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), CLIP)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if save_at is not None and i + 1 == save_at:
+            accelerator.save_state(save_at and str(pipe.table.path) + ".state")
+    return model
+
+
+def test_accelerate_prepares_the_loader_and_trains_the_same_table(tmp_path):
+    data = samples(36)  # 9 batches: groups of 2, 2, 2, 2, 1
+    reference = bert(dropout=0.0)
+    dense = torch.optim.AdamW(dense_parameters(reference), lr=DENSE_LR, eps=1e-6)
+    optimizer = with_adagrad_table(dense, reference.get_input_embeddings().weight)
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    accelerate_run(reference, optimizer, loader, reference_inputs)
+    expected = reference.get_input_embeddings().weight.detach()
+
+    runs = {}
+    for name, resume in (("whole", None), ("resumed", 4)):
+        model = bert(dropout=0.0)
+        with offloaded(model, tmp_path / f"{name}.zarr") as pipe:
+            optimizer = torch.optim.AdamW(
+                [{"params": dense_parameters(model)}, {"params": [pipe.parameter], "lr": TABLE_LR}],
+                lr=DENSE_LR,
+                eps=1e-6,
+            )
+            loader = pipe.loader(data, batch_size=4, num_workers=2)
+            state = (str(tmp_path / "whole.zarr") + ".state", resume) if resume else None
+            model = accelerate_run(
+                model,
+                optimizer,
+                loader,
+                offloaded_inputs,
+                save_at=4 if name == "whole" else None,
+                resume=state,
+            )
+        runs[name] = (embedpipe.Table.open(tmp_path / f"{name}.zarr").to_tensor(), model)
+    assert torch.equal(runs["whole"][0], expected)
+    assert all(
+        torch.equal(v, dense_state(reference)[k]) for k, v in dense_state(runs["whole"][1]).items()
+    )
+    assert torch.equal(runs["resumed"][0], expected)  # load_state + skip_first_batches
+
+
+# ------------------------------------------------------------------------------------ Lightning
+class Unsized(torch.utils.data.IterableDataset):
+    """A dataset without ``__len__``: Lightning then fetches one batch ahead."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+def lightning_fit(model, make_optimizer, loader, inputs, *, callbacks=(), epochs=2, ckpt=None, root):
+    lightning = pytest.importorskip("lightning")
+
+    class Module(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, index):
+            return self.model(**inputs(batch), labels=batch["labels"]).loss
+
+        def configure_optimizers(self):
+            optimizer = make_optimizer(self.model)
+            schedule = {"scheduler": warmup(optimizer), "interval": "step"}
+            return {"optimizer": optimizer, "lr_scheduler": schedule}
+
+    checkpoints = lightning.pytorch.callbacks.ModelCheckpoint(
+        dirpath=root, every_n_epochs=1, save_top_k=-1
+    )
+    trainer = lightning.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        gradient_clip_val=CLIP,
+        accumulate_grad_batches=2,
+        callbacks=[*callbacks, checkpoints],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    trainer.fit(Module(), train_dataloaders=loader, ckpt_path=ckpt)
+    return trainer
+
+
+def test_lightning_clips_accumulates_prefetches_and_checkpoints_the_table(tmp_path):
+    lightning = pytest.importorskip("lightning")
+    from embedpipe.lightning import PipeCallback
+
+    data = Unsized(samples(36))
+    reference = bert(dropout=0.0)
+
+    def reference_optimizer(model):
+        dense = torch.optim.AdamW(dense_parameters(model), lr=DENSE_LR, eps=1e-6)
+        return with_adagrad_table(dense, model.get_input_embeddings().weight)
+
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    lightning_fit(reference, reference_optimizer, loader, reference_inputs, root=tmp_path / "ref")
+    expected = reference.get_input_embeddings().weight.detach()
+
+    def run(name, **options):
+        model = bert(dropout=0.0)
+        with offloaded(model, tmp_path / f"{name}.zarr") as pipe:
+
+            def optimizer(m):
+                groups = [{"params": dense_parameters(m)}, {"params": [pipe.parameter], "lr": TABLE_LR}]
+                return torch.optim.AdamW(groups, lr=DENSE_LR, eps=1e-6)
+
+            loader = pipe.loader(data, batch_size=4)  # an iterable: workers would each yield all
+            callback = PipeCallback(pipe)
+            lightning_fit(model, optimizer, loader, offloaded_inputs, callbacks=[callback], **options)
+        return embedpipe.Table.open(tmp_path / f"{name}.zarr").to_tensor(), model
+
+    whole, model = run("whole", root=tmp_path / "whole")
+    assert torch.equal(whole, expected)
+    assert all(torch.equal(v, dense_state(reference)[k]) for k, v in dense_state(model).items())
+
+    first_epoch = next((tmp_path / "whole").glob("epoch=0*.ckpt"))
+    resumed, _ = run("resumed", root=tmp_path / "resumed", ckpt=str(first_epoch))
+    assert torch.equal(resumed, whole)
+    assert lightning.__version__  # the package the test ran with
