@@ -182,7 +182,9 @@ class EmbeddedBatch(Mapping[str, Any]):
         if self._owner is not None:
             self._owner.refresh(self)
 
-    def _refreshed(self, positions: torch.Tensor, fresh: torch.Tensor, step: int, tick: int) -> None:
+    def _refreshed(
+        self, positions: torch.Tensor, fresh: torch.Tensor, step: int, tick: int
+    ) -> None:
         """Owner: the rows at ``positions`` changed since this batch's ``tick``; ``fresh`` holds them."""
         if len(positions):
             device = self._rows.device

@@ -87,7 +87,9 @@ def table_info(table: Table) -> dict[str, object]:
         "step": table.step,
         "source": (meta.get("source") or {}).get("key", "-"),
         "keep": meta.get("keep", "-"),
-        "checkpoints": [{"step": c.step, "time": c.time, "path": c.path} for c in table.checkpoints],
+        "checkpoints": [
+            {"step": c.step, "time": c.time, "path": c.path} for c in table.checkpoints
+        ],
     }
 
 

@@ -9,6 +9,8 @@ longest in the batch (on the right, as Hugging Face tokenizers do) and stacks it
 the pad id (the model's ``padding_idx``, recorded by ``embedpipe.hf.offload``, or a tokenizer's
 ``pad_token_id``), ``labels`` with -100 (ignored by the loss), anything else with 0; and adds an
 ``attention_mask`` when the batch has none. Every other field goes through ``default_collate``.
+With ``hf_labels=True`` (``embedpipe.hf.Trainer`` sets it), a ``label`` or ``label_ids`` field
+is renamed ``labels``, as Hugging Face's own collators do.
 """
 
 from __future__ import annotations
@@ -32,7 +34,12 @@ class PadCollator:
     """
 
     def __init__(
-        self, pad_id: int | None = None, ids_key: str = "input_ids", *, tokenizer: Any = None
+        self,
+        pad_id: int | None = None,
+        ids_key: str = "input_ids",
+        *,
+        tokenizer: Any = None,
+        hf_labels: bool = False,
     ) -> None:
         if tokenizer is not None:
             pad_id = getattr(tokenizer, "pad_token_id", None)
@@ -40,14 +47,16 @@ class PadCollator:
                 raise ValueError(f"{type(tokenizer).__name__} has no pad_token_id; set one first")
         self.pad_id = pad_id
         self.ids_key = ids_key
+        self.hf_labels = hf_labels
 
     def __call__(self, samples: list[Any]) -> Any:
         if not samples or not all(isinstance(s, Mapping) for s in samples):
             return default_collate(samples)
         batch: dict[str, Any] = {}
         padded_ids: torch.Tensor | None = None
-        for key in samples[0]:
-            values = [s[key] for s in samples]
+        for field in samples[0]:
+            values = [s[field] for s in samples]
+            key = "labels" if self.hf_labels and field in ("label", "label_ids") else field
             if not all(_is_sequence(v) for v in values):
                 batch[key] = default_collate(values)
                 continue

@@ -89,7 +89,10 @@ class TableGradient:
             self._hold(ids, grad)
         else:
             both, where = torch.unique(torch.cat([self.ids, ids]), return_inverse=True)
-            old, new = where[: len(self.ids)].to(held.device), where[len(self.ids) :].to(held.device)
+            old, new = (
+                where[: len(self.ids)].to(held.device),
+                where[len(self.ids) :].to(held.device),
+            )
             if len(both) == len(self.ids):  # no new rows: add in place, as AccumulateGrad does
                 held.index_add_(0, new, grad.to(held.dtype))
             else:
@@ -145,6 +148,11 @@ class TableGradient:
         if group is None and self._home:
             return None  # the optimizer that holds the parameter takes the steps
         if group is not None:
+            if isinstance(optimizer, torch.optim.LBFGS):
+                raise RuntimeError(
+                    "LBFGS cannot train an offloaded table: its line search re-evaluates the loss "
+                    "at trial points of every parameter; leave pipe.parameter out of it"
+                )
             if self._homeless_step:
                 raise RuntimeError(
                     "the embedding table stepped with an optimizer that does not hold its "

@@ -69,7 +69,7 @@ class Trainer(transformers.Trainer):
         if model is not None:
             pipe.attach(model)
         if kwargs.get("data_collator") is None and kwargs.get("processing_class") is None:
-            kwargs["data_collator"] = PadCollator(pipe.padding_idx, ids_key)
+            kwargs["data_collator"] = PadCollator(pipe.padding_idx, ids_key, hf_labels=True)
         self._checkpointing = False
         super().__init__(*args, **kwargs)
 

@@ -42,12 +42,17 @@ class PipeCallback(lightning.Callback):
             raise ValueError("PipeCallback trains the table: give the pipe an optimizer")
         self.pipe = pipe
 
-    def setup(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, stage: str) -> None:
+    def setup(
+        self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, stage: str
+    ) -> None:
         if all(p is not self.pipe.parameter for p in pl_module.parameters()):
             self.pipe.attach(pl_module)
 
     def on_save_checkpoint(
-        self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, checkpoint: dict[str, Any]
+        self,
+        trainer: lightning.Trainer,
+        pl_module: lightning.LightningModule,
+        checkpoint: dict[str, Any],
     ) -> None:
         committed = self.pipe.checkpoint()
         root = getattr(trainer.checkpoint_callback, "dirpath", None) or trainer.default_root_dir
@@ -58,7 +63,10 @@ class PipeCallback(lightning.Callback):
         checkpoint[CHECKPOINT_KEY] = {"snapshot": folder, "step": committed.step}
 
     def on_load_checkpoint(
-        self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, checkpoint: dict[str, Any]
+        self,
+        trainer: lightning.Trainer,
+        pl_module: lightning.LightningModule,
+        checkpoint: dict[str, Any],
     ) -> None:
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is None:

@@ -193,7 +193,9 @@ class EmbeddingPipe:
         """
         from .hf import OffloadedEmbedding
 
-        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        embeddings = (
+            model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        )
         if not isinstance(embeddings, OffloadedEmbedding):
             found = [m for m in model.modules() if isinstance(m, OffloadedEmbedding)]
             if len(found) != 1:

@@ -119,7 +119,11 @@ def test_adamw_over_model_parameters_trains_the_table_at_its_own_rate(tmp_path, 
         optimizer = torch.optim.AdamW(model.parameters(), lr=DENSE_LR, eps=1e-6)
         assert any(p is pipe.parameter for p in model.parameters())
         plain_loop(
-            model, optimizer, pipe.loader(data, batch_size=4), inputs=offloaded_inputs, schedule=False
+            model,
+            optimizer,
+            pipe.loader(data, batch_size=4),
+            inputs=offloaded_inputs,
+            schedule=False,
         )
         assert not optimizer.state.get(pipe.parameter)  # AdamW never saw a gradient of it
     assert torch.equal(embedpipe.Table.open(tmp_path / "t.zarr").to_tensor(), expected)
@@ -289,7 +293,9 @@ class Unsized(torch.utils.data.IterableDataset):
         return iter(self.items)
 
 
-def lightning_fit(model, make_optimizer, loader, inputs, *, callbacks=(), epochs=2, ckpt=None, root):
+def lightning_fit(
+    model, make_optimizer, loader, inputs, *, callbacks=(), epochs=2, ckpt=None, root
+):
     lightning = pytest.importorskip("lightning")
 
     class Module(lightning.LightningModule):
@@ -344,12 +350,17 @@ def test_lightning_clips_accumulates_prefetches_and_checkpoints_the_table(tmp_pa
         with offloaded(model, tmp_path / f"{name}.zarr") as pipe:
 
             def optimizer(m):
-                groups = [{"params": dense_parameters(m)}, {"params": [pipe.parameter], "lr": TABLE_LR}]
+                groups = [
+                    {"params": dense_parameters(m)},
+                    {"params": [pipe.parameter], "lr": TABLE_LR},
+                ]
                 return torch.optim.AdamW(groups, lr=DENSE_LR, eps=1e-6)
 
             loader = pipe.loader(data, batch_size=4)  # an iterable: workers would each yield all
             callback = PipeCallback(pipe)
-            lightning_fit(model, optimizer, loader, offloaded_inputs, callbacks=[callback], **options)
+            lightning_fit(
+                model, optimizer, loader, offloaded_inputs, callbacks=[callback], **options
+            )
         return embedpipe.Table.open(tmp_path / f"{name}.zarr").to_tensor(), model
 
     whole, model = run("whole", root=tmp_path / "whole")

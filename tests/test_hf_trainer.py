@@ -95,9 +95,7 @@ def runs(tmp_path_factory):
     )
     reference.train()
     reference_eval = reference.evaluate(held_out)
-    trainer, pipe = train_embedpipe(
-        folder / "embedpipe", data, save_strategy="steps", save_steps=4
-    )
+    trainer, pipe = train_embedpipe(folder / "embedpipe", data, save_strategy="steps", save_steps=4)
     evaluation = trainer.evaluate(held_out)
     pipe.flush()
     yield {
