@@ -100,6 +100,8 @@ class Trainer(transformers.Trainer):
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         """Trainer's optimizer over the dense weights, plus a group of the table's own."""
         parameter = self.pipe.parameter
+        if all(p is not parameter for p in self.model.parameters()):  # made by model_init
+            self.pipe.attach(self.model)
         if self.optimizer is not None:
             return super().create_optimizer(model)
         parameter.requires_grad_(False)  # Trainer groups only parameters that require grad

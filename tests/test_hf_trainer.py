@@ -95,8 +95,10 @@ def runs(tmp_path_factory):
     )
     reference.train()
     reference_eval = reference.evaluate(held_out)
+    reference_predictions = reference.predict(held_out).predictions
     trainer, pipe = train_embedpipe(folder / "embedpipe", data, save_strategy="steps", save_steps=4)
     evaluation = trainer.evaluate(held_out)
+    predictions = trainer.predict(held_out).predictions
     pipe.flush()
     yield {
         "folder": folder,
@@ -106,6 +108,7 @@ def runs(tmp_path_factory):
         "trainer": trainer,
         "pipe": pipe,
         "eval": evaluation,
+        "predictions": (reference_predictions, predictions),
     }
     pipe.close()
 
@@ -130,8 +133,11 @@ def test_clipping_counts_the_table_in_the_logged_grad_norm(runs):
     assert got == expected
 
 
-def test_evaluation_runs_through_the_pipe(runs):
+def test_evaluation_and_prediction_run_through_the_pipe(runs):
     assert runs["eval"]["eval_loss"] == runs["reference_eval"]["eval_loss"]
+    expected, got = runs["predictions"]
+    assert got.shape == expected.shape == (16, 2)
+    assert (got == expected).all()
 
 
 def test_every_checkpoint_holds_the_table_at_its_step(runs):
