@@ -70,6 +70,19 @@ class _RowOptimizerBase:
         options = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
         return {"name": self.name, **options}
 
+    def update(
+        self,
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        step: int,
+        lr: float | None = None,
+    ) -> None:
+        """Apply one step to ``rows`` (U, D) and their ``state`` in place, given ``grad`` (U, D)
+        summed per id, at learning rate ``lr`` (None: ``self.lr``; an optimizer group's scheduled
+        rate otherwise, see ``gradient.py``)."""
+        self._update(rows, grad, state, step, self.lr if lr is None else lr)
+
 
 @dataclass(frozen=True)
 class SGD(_RowOptimizerBase):
@@ -81,17 +94,8 @@ class SGD(_RowOptimizerBase):
     def __post_init__(self) -> None:
         _check_lr(self.lr)
 
-    def update(
-        self,
-        rows: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        step: int,
-        lr: float | None = None,
-    ) -> None:
-        """Apply one step to ``rows`` (U, D) in place given ``grad`` (U, D) summed per id, at
-        learning rate ``lr`` (None: ``self.lr``; a scheduler sets it, see ``gradient.py``)."""
-        rows.add_(grad, alpha=-(self.lr if lr is None else lr))
+    def _update(self, rows, grad, state, step: int, lr: float) -> None:
+        rows.add_(grad, alpha=-lr)
 
 
 @dataclass(frozen=True)
@@ -114,18 +118,10 @@ class Adagrad(_RowOptimizerBase):
     def state_init(self) -> dict[str, float]:
         return {"sum": self.initial_accumulator_value}
 
-    def update(
-        self,
-        rows: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        step: int,
-        lr: float | None = None,
-    ) -> None:
-        """Apply one step to ``rows`` and ``state["sum"]`` (U, D) in place; see the module doc."""
+    def _update(self, rows, grad, state, step: int, lr: float) -> None:
         # The ops of torch's dense single-tensor branch, in its order (fused addcmul_ and
         # addcdiv_): bitwise parity with nn.Embedding + torch.optim.Adagrad depends on it.
-        clr = (self.lr if lr is None else lr) / (1 + (step - 1) * self.lr_decay)
+        clr = lr / (1 + (step - 1) * self.lr_decay)
         total = state["sum"]
         total.addcmul_(grad, grad, value=1)
         rows.addcdiv_(grad, total.sqrt().add_(self.eps), value=-clr)
@@ -151,22 +147,14 @@ class Adam(_RowOptimizerBase):
     def state_init(self) -> dict[str, float]:
         return {"exp_avg": 0.0, "exp_avg_sq": 0.0}
 
-    def update(
-        self,
-        rows: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        step: int,
-        lr: float | None = None,
-    ) -> None:
-        """Apply one step to ``rows`` and both moments (U, D) in place; see the module doc."""
+    def _update(self, rows, grad, state, step: int, lr: float) -> None:
         # SparseAdam's op sequence: old += (new - old) * (1 - beta), then an unfused
         # -step_size * (m / denom). Its numer (update + old) equals the new exp_avg bit for bit.
         beta1, beta2 = self.betas
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.add_(grad.sub(exp_avg).mul_(1 - beta1))
         exp_avg_sq.add_(grad.pow(2).sub_(exp_avg_sq).mul_(1 - beta2))
-        step_size = (self.lr if lr is None else lr) * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+        step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
         rows.add_(exp_avg.div(exp_avg_sq.sqrt().add_(self.eps)).mul_(-step_size))
 
 
