@@ -129,6 +129,7 @@ class EmbeddingPipe:
         self.consistency = consistency
         self.padding_idx = padding_idx
         if optimizer is not None:
+            table._reads_after(self._owner.flush)  # table.read() sees the pipe's rows
             for placeholder in offloaded_embeddings(table.path):
                 placeholder.attach(self.parameter)
         self._finalizer = weakref.finalize(self, _close_unclosed, self._owner, repr(self))

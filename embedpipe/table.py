@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -374,6 +374,7 @@ class Table:
         """
         ids = as_ids(ids, self.num_rows)
         flat = ids.reshape(-1)
+        self._up_to_date()
         return self._array(name).read(flat).reshape(*ids.shape, self.dim)
 
     def write(self, ids: Any, rows: Any, name: str = WEIGHT) -> None:
@@ -416,6 +417,7 @@ class Table:
 
     def read_range(self, start: int, stop: int, name: str = WEIGHT) -> np.ndarray:
         """Rows ``start:stop`` as a new array (one sequential read per chunk)."""
+        self._up_to_date()
         return self._array(name).read(np.arange(start, stop, dtype=np.int64))
 
     def iter_blocks(
@@ -561,8 +563,19 @@ class Table:
         self._check_writable("making another pipe on this table")
         self._owner = owner
 
+    def _reads_after(self, flush: Callable[[], None]) -> None:
+        """The claiming pipe's ``flush``: the public reads run it first, so that they see the
+        steps applied so far, not the live files without the pipe's cached rows."""
+        self._flush_before_reads = flush
+
+    def _up_to_date(self) -> None:
+        flush = getattr(self, "_flush_before_reads", None)
+        if flush is not None and self._owner is not None:
+            flush()
+
     def _release_claim(self) -> None:
         self._owner = None
+        self._flush_before_reads = None
 
     # ----------------------------------------------------------------------------- lifecycle
     def close(self) -> None:

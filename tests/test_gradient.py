@@ -152,3 +152,15 @@ def test_a_non_finite_gradient_is_refused_at_the_step_and_nothing_is_applied(tmp
         assert pipe.stats()["steps"] == 0
         optimizer.zero_grad()
     assert embedpipe.Table.open(tmp_path / "t.zarr").step == 0
+
+
+def test_reads_of_the_table_under_a_live_pipe_see_its_steps(tmp_path):
+    embedpipe.Table.create(tmp_path / "z.zarr", 50, 4, init="zeros").close()
+    with EmbeddingPipe(
+        tmp_path / "z.zarr", cache_rows=50, optimizer=embedpipe.optim.SGD(lr=1.0)
+    ) as pipe:
+        batch = next(iter(pipe.loader([{"input_ids": torch.tensor([3, 4])}], batch_size=1)))
+        batch["inputs_embeds"].sum().backward()
+        pipe.step()  # queued; the rows are in the cache, not yet in the files
+        assert pipe.table.read([3]).tolist() == [[-1.0] * 4]
+        assert pipe.table.to_tensor()[4].tolist() == [-1.0] * 4
