@@ -25,7 +25,7 @@ from .cache import SharedRows
 from .errors import IdOutOfRangeError
 from .ids import as_ids
 from .ring import BatchRing
-from .table import Table
+from .table import WEIGHT, Table
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class Lookup:
         rows, hit = self.cache.read(unique_ids)
         miss = np.flatnonzero(~hit)
         if len(miss):
-            rows[miss] = self.table().read(unique_ids[miss])
+            rows[miss] = self.table()._array(WEIGHT).read(unique_ids[miss])  # the files as they are
         info = get_worker_info()
         placed = (
             self.ring.write(info.id, rows) if self.ring is not None and info is not None else None

@@ -1,10 +1,11 @@
 """The writeback queue and the thread that drains it (runs in the owner process).
 
-The training loop's backward hands each step's (U, D) gradient to :meth:`Writeback.submit`; the
-thread applies the sparse optimizer to the rows through ``apply(ids, grad, step, lr)`` and publishes
-how many steps are applied; when the queue is empty it runs ``idle()``, where the pipe writes the
-coldest dirty rows to the table so that the next evictions find clean slots. The training loop waits on that count (:meth:`wait`) before it hands
-out a batch: for every step in exact mode, for all but ``max_staleness`` steps in bounded mode.
+The optimizer step that takes the table's gradient (``gradient.py``) hands each step's (U, D)
+gradient to :meth:`Writeback.submit`; the thread applies the sparse optimizer to the rows through
+``apply(ids, grad, step, lr)`` and publishes how many steps are applied; when the queue is empty
+it runs ``idle()``, where the pipe writes the coldest dirty rows to the table so that the next
+evictions find clean slots. The training loop waits on that count (:meth:`wait`) before a batch's
+rows are used: for every step in exact mode, for all but ``max_staleness`` steps in bounded mode.
 
 NOTE [ Writeback errors and shutdown ]
 An exception in the thread is kept, with the step it happened at, and raised in the training

@@ -164,3 +164,18 @@ def test_reads_of_the_table_under_a_live_pipe_see_its_steps(tmp_path):
         pipe.step()  # queued; the rows are in the cache, not yet in the files
         assert pipe.table.read([3]).tolist() == [[-1.0] * 4]
         assert pipe.table.to_tensor()[4].tolist() == [-1.0] * 4
+
+
+def test_lookups_in_the_training_process_do_not_flush_the_pipe(tmp_path, monkeypatch):
+    # num_workers=0 reads misses through the owner's own Table: not through its flushing read()
+    embedpipe.Table.create(tmp_path / "z.zarr", 500, 4).close()
+    with EmbeddingPipe(
+        tmp_path / "z.zarr", cache_rows=10, optimizer=embedpipe.optim.SGD(lr=1.0)
+    ) as pipe:
+        flushes = []
+        monkeypatch.setattr(pipe._owner, "flush", lambda: flushes.append(1))
+        data = [{"input_ids": torch.tensor([i, i + 100])} for i in range(8)]
+        for batch in pipe.loader(data, batch_size=1):
+            batch["inputs_embeds"].sum().backward()
+            pipe.step()
+        assert pipe.stats()["misses"] > 0 and flushes == []
