@@ -37,8 +37,9 @@ ids permuted so that popular rows are spread over the table; batches of ``--batc
    misses with ``Table.read`` and sends the unique rows and the inverse index, (d) embedpipe with
    a cache of ``--tput-cache-frac`` and ``policy="auto"``, (e) embedpipe with
    ``cache_rows = vocab``. Training (``--train-batches``, ``--train-repeats``): each batch
-   ``inputs_embeds.sum().backward()`` with ``embedpipe.optim.SGD(lr=0.1)`` for (d) and (e),
-   against ``nn.Embedding`` (dense gradient, and ``sparse=True``) with ``torch.optim.SGD``.
+   ``inputs_embeds.sum().backward()`` then ``pipe.step()`` with ``embedpipe.optim.SGD(lr=0.1)``
+   for (d) and (e), against ``nn.Embedding`` (dense gradient, and ``sparse=True``) with
+   ``torch.optim.SGD``.
    Loaders keep their workers (``persistent_workers``) and make one untimed warm-up pass, so
    caches are warm and workers started; the variants then take turns within each round, so a
    noisy neighbour slows them all alike. Ratios are against (a) with the same workers, each
@@ -555,10 +556,12 @@ class LRUCollate:
         unique, inverse = torch.unique(ids, return_inverse=True)
         keys = unique.tolist()
         misses = lru_lookup(self.cache, keys)
+        missed = set(misses)
+        found = {i: self.cache[i] for i in keys if i not in missed}  # before inserts evict them
         if misses:
             for i, row in zip(misses, self.table.read(np.array(misses)), strict=True):
-                self.cache[i] = row
-        rows = torch.from_numpy(np.stack([self.cache[i] for i in keys]))
+                self.cache[i] = found[i] = row
+        rows = torch.from_numpy(np.stack([found[i] for i in keys]))
         return {"input_ids": ids, "inverse": inverse, "rows": rows}
 
 
@@ -597,8 +600,14 @@ def embed_step(batch: Any) -> Any:
     return batch["inputs_embeds"]
 
 
-def backward_step(batch: Any) -> None:
-    batch["inputs_embeds"].sum().backward()
+def backward_step(pipe: embedpipe.EmbeddingPipe) -> Callable[[Any], None]:
+    """Backward through a batch, then the table's step (backward only adds to its gradient)."""
+
+    def step(batch: Any) -> None:
+        batch["inputs_embeds"].sum().backward()
+        pipe.step()
+
+    return step
 
 
 def make_variants(
@@ -619,7 +628,7 @@ def make_variants(
         ) -> Variant:
             p = embedpipe.EmbeddingPipe(path, cache_rows=rows, policy="auto", optimizer=opt)
             data = train if opt is not None else frozen
-            step = backward_step if opt is not None else embed_step
+            step = backward_step(p) if opt is not None else embed_step
             return Variant(name, w, p.loader(data, batch_size=bs, **kw), step, p, opt is not None)
 
         emb = nn.Embedding.from_pretrained(weight, freeze=True)

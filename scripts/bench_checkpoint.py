@@ -24,9 +24,10 @@ subtracted; *write_bytes* is the delta of this process's ``/proc/self/io`` write
 dirtied, including icechunk's Rust threads) over write + commit, read after an ``os.sync()``.
 
 Part 2, training throughput between checkpoints: a model-free training loop on a smaller table
-(``loss = (inputs_embeds * w).sum()``, SGD on the table, Zipf token ids, 2 DataLoader workers, a
-cache of ``--train-cache`` of the rows) with ``pipe.checkpoint()`` every N steps
-(``--train-every``; 0 = never). Each run starts from a freshly created (and so committed) table.
+(``loss = (inputs_embeds * w).sum()``, then ``pipe.step()``: SGD on the table, Zipf token ids,
+2 DataLoader workers, a cache of ``--train-cache`` of the rows) with ``pipe.checkpoint()`` every
+N steps (``--train-every``; 0 = never). Each run starts from a freshly created (and so committed)
+table.
 
 Page cache: with ``--cold`` (the default when run as root) part 1 runs ``sync`` and drops the page
 cache (``echo 3 > /proc/sys/vm/drop_caches``) before every timed write phase, so writes read
@@ -433,6 +434,7 @@ def train_run(args: argparse.Namespace, path: str, every: int) -> dict:
             if step == args.train_warmup:
                 start, io = time.perf_counter(), write_bytes()
             (batch["inputs_embeds"] * w).sum().backward()
+            pipe.step()  # backward only adds to the table's gradient: the step applies it
             if every and (step + 1) % every == 0:
                 checkpoint_times.append(timed(pipe.checkpoint))
         seconds = time.perf_counter() - start

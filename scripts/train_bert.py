@@ -5,7 +5,8 @@ default BERT-base's vocabulary (30,522 ids) with a small encoder (hidden 128, 2 
 so the word-embedding table is most of the parameters. ``embedpipe.hf.offload`` moves that table
 into a zarr table (a temporary folder, or ``--table PATH``); an :class:`embedpipe.EmbeddingPipe`
 looks its rows up inside the DataLoader workers through a shared cache of ``--cache-rows`` rows
-and trains them with a sparse optimizer (``--optimizer``), while torch's AdamW trains the rest.
+and trains them with a sparse optimizer (``--optimizer``), while torch's AdamW trains the rest:
+each ``AdamW.step()`` also steps the table (the pipe's gradient is a parameter of the model).
 
 The task is synthetic but learnable: sequences of Zipf-distributed token ids, label 1 when one of
 a few marker ids occurs in the sequence, 0 otherwise. The loss starts at ln 2 = 0.693 and falls.
@@ -340,9 +341,9 @@ def train(
             )
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
-        out.loss.backward()  # offloaded: the table's gradient goes to the pipe's writeback here
+        out.loss.backward()  # offloaded: adds to the table's gradient, as to a .grad
         for opt in optimizers:
-            opt.step()
+            opt.step()  # offloaded: AdamW's step also takes the table's gradient as one step
 
         loss_sum += out.loss.detach().float() * len(batch["labels"])
         correct += (out.logits.argmax(-1) == batch["labels"]).sum()
@@ -436,13 +437,16 @@ def run_offloaded(args: argparse.Namespace, data: Dataset, held_out: Dataset, pa
     model = build_model(args)
     result.extra["saved"] = embedpipe.hf.embedding_bytes(model, args.optimizer)
     # Offload on the CPU, before the model goes to the device and before building the optimizer.
+    # The pipe pads with, and never updates, the padding_idx that offload recorded in the table.
     table = embedpipe.hf.offload(model, path)
-    padding_idx = model.get_input_embeddings().padding_idx
     model.to(args.device)
-    dense = torch.optim.AdamW(model.parameters(), lr=args.dense_lr)
     pipe = embedpipe.EmbeddingPipe(
-        table, cache_rows=args.cache_rows, optimizer=table_optimizer(args), padding_idx=padding_idx
+        table, cache_rows=args.cache_rows, optimizer=table_optimizer(args)
     )
+    # Built after the pipe: model.parameters() then holds the table's gradient (pipe.parameter,
+    # attached in the embedding's place), and AdamW's step() steps the table with the sparse
+    # optimizer at its own learning rate (AdamW's betas and weight decay do not apply to it).
+    dense = torch.optim.AdamW(model.parameters(), lr=args.dense_lr)
     with table, pipe:
         print(
             f"[{result.name}] {pipe!r}  table {table.num_rows:,} x {table.dim} {table.dtype}",

@@ -59,6 +59,7 @@ PIPE_OPTIMIZERS = {
 
 
 def _dense_optimizer(model):
+    """SGD on everything but the word embeddings (and an offloaded table's gradient parameter)."""
     params = [p for n, p in model.named_parameters() if "word_embeddings" not in n]
     return torch.optim.SGD(params, lr=0.05)
 
@@ -81,10 +82,10 @@ def train_reference(data, optimizer: str, lr: float, batch_size: int = 8, accumu
             attention_mask=batch["attention_mask"],
             labels=batch["labels"],
         )
-        dense.zero_grad()
         out.loss.backward()
-        dense.step()  # every batch, as in train_offloaded
-        if (i + 1) % accumulate == 0:  # the table's .grad sums `accumulate` batches
+        if (i + 1) % accumulate == 0:  # .grad sums `accumulate` batches
+            dense.step()
+            dense.zero_grad()
             emb_opt.step()
             emb_opt.zero_grad()
     return emb.weight.detach().clone(), model, emb_opt.state[emb.weight]
@@ -99,9 +100,12 @@ def train_offloaded(
     batch_size: int = 8,
     cache_rows: int = 50,
     num_workers: int = 0,
+    accumulate: int = 1,
     **options,
 ):
-    """The same training with the table in ``path`` behind an EmbeddingPipe.
+    """The same training with the table in ``path`` behind an EmbeddingPipe. The table steps
+    when the dense optimizer does (every ``accumulate`` batches), though that optimizer does not
+    hold its parameter (``gradient.py``: any optimizer's step takes it then).
 
     ``options`` go to the loader (DataLoader keywords) or the pipe (``consistency``...).
     """
@@ -112,7 +116,6 @@ def train_offloaded(
         "consistency",
         "max_staleness",
         "padding_idx",
-        "grad_accumulation",
         "policy",
         "check_finite",
     }
@@ -122,15 +125,16 @@ def train_offloaded(
     opt = PIPE_OPTIMIZERS[optimizer](lr) if optimizer else None
     with EmbeddingPipe(path, cache_rows=cache_rows, optimizer=opt, **pipe_options) as pipe:
         loader = pipe.loader(data, batch_size=batch_size, num_workers=num_workers, **loader_options)
-        for batch in loader:
+        for i, batch in enumerate(loader):
             out = model(
                 inputs_embeds=batch["inputs_embeds"],
                 attention_mask=batch["attention_mask"],
                 labels=batch["labels"],
             )
-            dense.zero_grad()
             out.loss.backward()
-            dense.step()
+            if (i + 1) % accumulate == 0:
+                dense.step()
+                dense.zero_grad()
     stats = pipe.stats()  # after close: every step applied
     table = embedpipe.Table.open(path)
     return table.to_tensor(), model, stats, table

@@ -50,6 +50,7 @@ def reference(weight: np.ndarray, data: list[dict], steps: int):
 def train(pipe, data: list[dict], checkpoint_every: int | None = None) -> None:
     for k, batch in enumerate(pipe.loader(data, batch_size=1), start=1):
         (batch["inputs_embeds"] ** 2).sum().backward()
+        pipe.step()
         if checkpoint_every and k % checkpoint_every == 0:
             pipe.checkpoint()
 
@@ -75,6 +76,7 @@ def test_a_crash_reopens_exactly_at_the_last_checkpoint(path, weight):
                                        optimizer=embedpipe.optim.Adagrad(lr=0.5))
         for k, batch in enumerate(pipe.loader(data, batch_size=1), start=1):
             (batch["inputs_embeds"] ** 2).sum().backward()
+            pipe.step()
             if k == 8:
                 pipe.checkpoint()
             if k == 12:
@@ -260,6 +262,7 @@ def test_a_full_disk_raises_naming_table_and_step_and_the_last_checkpoint_surviv
     with pytest.raises(OSError) as raised:
         for k, batch in enumerate(pipe.loader(data, batch_size=1), start=1):
             (batch["inputs_embeds"] ** 2).sum().backward()
+            pipe.step()
             if k % 2 == 0:
                 committed = pipe.checkpoint().step
     assert raised.value.errno == errno.ENOSPC
@@ -420,6 +423,7 @@ def test_nothing_works_in_the_folder_once_the_pipe_is_closed(tmp_path):
     with EmbeddingPipe(path, cache_rows=0, optimizer=embedpipe.optim.SGD(lr=0.1), keep=1) as pipe:
         for batch in pipe.loader(data, batch_size=1):
             batch["inputs_embeds"].sum().backward()
+            pipe.step()
             pipe.checkpoint()
     shutil.rmtree(path)  # no background deletion racing it
     embedpipe.Table.create(path, 10, 4).close()

@@ -344,6 +344,7 @@ def _trained(tmp_path):
     ) as pipe:
         for batch in pipe.loader(data, batch_size=1):
             (-batch["inputs_embeds"]).sum().backward()
+            pipe.step()
             pipe.checkpoint()
     return path
 

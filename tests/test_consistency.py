@@ -26,9 +26,9 @@ class SlowSGD(embedpipe.optim.SGD):
 
     delay: float = 0.0
 
-    def update(self, rows, grad, state, step):
+    def update(self, rows, grad, state, step, lr=None):
         time.sleep(self.delay)
-        super().update(rows, grad, state, step)
+        super().update(rows, grad, state, step, lr=lr)
 
 
 def staleness(tmp_path, *, delay, num_workers, cache_rows, **options) -> list[int]:
@@ -48,6 +48,7 @@ def staleness(tmp_path, *, delay, num_workers, cache_rows, **options) -> list[in
             assert torch.equal(embeds[0].detach(), values[:, None].expand(V, D))  # whole rows
             seen.append(k - int(values.min()))  # the stalest row of the batch
             (-embeds).sum().backward()
+            pipe.step()
     table = embedpipe.Table.open(tmp_path / "t.zarr").to_tensor()
     assert torch.equal(table, torch.full((V, D), float(BATCHES)))  # nothing lost, nothing twice
     return seen

@@ -84,11 +84,11 @@ class FailingSGD(embedpipe.optim.SGD):
     fail_at: int = 3
     delay: float = 0.0  # seconds before the failure
 
-    def update(self, rows, grad, state, step):
+    def update(self, rows, grad, state, step, lr=None):
         if step == self.fail_at:
             time.sleep(self.delay)
             raise OSError(f"disk on fire at step {step}")
-        super().update(rows, grad, state, step)
+        super().update(rows, grad, state, step, lr=lr)
 
 
 @pytest.mark.timeout(120)
@@ -100,6 +100,7 @@ def test_writeback_error_surfaces_in_the_loop_and_earlier_steps_are_kept(path, n
         with pipe:
             for batch in pipe.loader(samples(20), batch_size=2, num_workers=num_workers):
                 (-batch["inputs_embeds"]).sum().backward()
+                pipe.step()
                 seen += 1
     assert seen == 3  # the error came with the first batch after step 3, not later, not never
     table = embedpipe.Table.open(path)
@@ -109,17 +110,22 @@ def test_writeback_error_surfaces_in_the_loop_and_earlier_steps_are_kept(path, n
 
 
 def test_non_finite_gradient_raises_and_applies_nothing(path):
+    # The check is at the step (pipe.step() or a torch optimizer's), not in backward.
     before = embedpipe.Table.open(path).to_tensor()
     with EmbeddingPipe(path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=1.0)) as pipe:
         batch = next(iter(pipe.loader(samples(4), batch_size=2)))
         scale = torch.ones(D)
         scale[2] = float("nan")
-        with pytest.raises(
-            errors.NonFiniteGradientError,
-            match=r"non-finite embedding gradient \(nan\) for id \d+ .* step 1",
-        ):
-            (batch["inputs_embeds"] * scale).sum().backward()
+        (batch["inputs_embeds"] * scale).sum().backward()
+        message = r"non-finite embedding gradient \(nan\) for id \d+ .* step 1"
+        with pytest.raises(errors.NonFiniteGradientError, match=message):
+            pipe.step()
         assert pipe.stats()["writeback_queue"] == 0
+        optimizer = torch.optim.SGD([pipe.parameter], lr=1.0)
+        with pytest.raises(errors.NonFiniteGradientError, match=message):
+            optimizer.step()
+        assert pipe.stats()["writeback_queue"] == 0 and pipe.stats()["steps"] == 0
+        optimizer.zero_grad()  # drops it: close() has nothing to warn about
     assert torch.equal(embedpipe.Table.open(path).to_tensor(), before)
 
 
@@ -129,6 +135,7 @@ def test_non_finite_check_can_be_turned_off(path):
     ) as pipe:
         batch = next(iter(pipe.loader(samples(4), batch_size=2)))
         (batch["inputs_embeds"] * float("inf")).sum().backward()
+        assert pipe.step()
     assert not torch.isfinite(embedpipe.Table.open(path).to_tensor()).all()
 
 
@@ -142,7 +149,6 @@ def test_non_finite_check_can_be_turned_off(path):
         (dict(cache_rows=10, max_staleness=2), "needs consistency='bounded'"),
         (dict(cache_rows=10, policy="fifo"), "policy must be one of"),
         (dict(cache_rows=10, padding_idx=V), f"padding_idx must be in \\[0, {V}\\)"),
-        (dict(cache_rows=10, grad_accumulation=0), "grad_accumulation must be an integer >= 1"),
     ],
 )
 def test_bad_pipe_options(path, kwargs, match):
@@ -176,19 +182,19 @@ def test_close_after_a_writeback_failure_with_a_partial_group_keeps_the_applied_
     # Bounded mode, a slow failure at step 2: the loop ends with half of group 3 pending.
     optimizer = FailingSGD(lr=1.0, fail_at=2, delay=0.5)
     pipe = EmbeddingPipe(
-        path,
-        cache_rows=10,
-        optimizer=optimizer,
-        grad_accumulation=2,
-        consistency="bounded",
-        max_staleness=5,
+        path, cache_rows=10, optimizer=optimizer, consistency="bounded", max_staleness=5
     )
-    for batch in pipe.loader(samples(10), batch_size=2):  # 5 batches: steps 1, 2 and a half
+    for k, batch in enumerate(pipe.loader(samples(10), batch_size=2)):  # steps 1, 2 and a half
         (-batch["inputs_embeds"]).sum().backward()
-    assert pipe._owner.pending
+        if k % 2:
+            pipe.step()
+    assert pipe._owner.gradient.pending
     with pytest.raises(WritebackError):
-        pipe._owner.writeback.wait()  # the failure is known before close() submits the half group
-    with pytest.raises(WritebackError, match="failed at step 2"):
+        pipe._owner.writeback.wait()  # the failure is known before close()
+    with (
+        pytest.warns(RuntimeWarning, match="never taken by an optimizer step"),
+        pytest.raises(WritebackError, match="failed at step 2"),
+    ):
         pipe.close()
     assert embedpipe.Table.open(path).step == 1  # step 1 written
     embedpipe.Table.open(path, "r+").close()  # and the table released
@@ -203,13 +209,26 @@ def test_backward_after_close_is_an_error_not_a_lost_update(path):
         embeds.sum().backward()
 
 
-def test_a_second_backward_on_one_batch_is_refused(path):
+def test_a_second_backward_on_one_batch_accumulates_as_torch_grad_does(path):
+    # Two backward passes through one batch, then one step: torch's accumulated .grad + one step.
+    weight = embedpipe.Table.open(path).to_tensor()
+    embedding = torch.nn.Embedding(V, D, _weight=weight.clone())
+    reference = torch.optim.SGD(embedding.parameters(), lr=1.0)
     with EmbeddingPipe(path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=1.0)) as pipe:
         batch = next(iter(pipe.loader(samples(2), batch_size=2)))
         embeds = batch["inputs_embeds"]
-        embeds.sum().backward(retain_graph=True)
-        with pytest.raises(RuntimeError, match="second backward pass"):
-            (2 * embeds).sum().backward()
+        (embeds**2).sum().backward(retain_graph=True)
+        (3 * embeds).sum().backward()
+        expected = embedding(batch["input_ids"])
+        (expected**2).sum().backward(retain_graph=True)
+        (3 * expected).sum().backward()
+        ids = batch["input_ids"].unique()  # sorted, as the pending gradient's rows are
+        assert torch.equal(pipe.parameter.grad, embedding.weight.grad[ids])
+        assert pipe.step()
+        reference.step()
+    table = embedpipe.Table.open(path)
+    assert table.step == 1
+    assert torch.equal(table.to_tensor(), embedding.weight.detach())
 
 
 def test_reading_embeds_under_no_grad_first_does_not_disable_training(path):
@@ -228,6 +247,8 @@ def test_non_finite_gradient_on_the_padding_row_is_ignored_as_nn_embedding_does(
         embeds = batch["inputs_embeds"]  # every sample holds id 7
         poison = torch.where(batch["input_ids"][..., None] == 7, float("nan"), 1.0)
         (embeds * poison).sum().backward()
+        assert pipe.step()  # no NonFiniteGradientError: the padding row has no gradient
+    assert pipe.stats()["steps"] == 1
     assert torch.isfinite(embedpipe.Table.open(path).to_tensor()).all()
 
 
@@ -241,6 +262,7 @@ def test_float16_tables_update_in_float32(tmp_path, optimizer):
         for batch in pipe.loader(data * 3, batch_size=1):
             assert batch["inputs_embeds"].dtype == torch.float16
             (batch["inputs_embeds"].float() * torch.tensor([1e-3, 0, 1, -1])).sum().backward()
+            pipe.step()
     table = embedpipe.Table.open(tmp_path / "h.zarr").to_tensor()
     assert torch.isfinite(table).all()  # eps 1e-8 and g^2 vanish in float16: NaN/inf before
     assert (table[1, 0] < 0) and (table[1, 3] > 0) and table[0].abs().sum() == 0
@@ -275,17 +297,22 @@ def test_a_signal_inside_submit_neither_hangs_nor_loses_the_pipe(path):
     pipe = EmbeddingPipe(path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=1.0))
     writeback = getattr(pipe, "_owner", pipe).writeback
     batches = iter(pipe.loader(samples(10), batch_size=2))
-    (-next(batches)["inputs_embeds"]).sum().backward()  # step 1
+    (-next(batches)["inputs_embeds"]).sum().backward()
+    pipe.step()  # step 1
     writeback._queue = _InterruptOncePut(writeback._queue)
+    (-next(batches)["inputs_embeds"]).sum().backward()
     with pytest.raises(KeyboardInterrupt):
-        (-next(batches)["inputs_embeds"]).sum().backward()  # counted, never queued
+        pipe.step()  # counted, never queued
     with pytest.warns(RuntimeWarning, match="interrupted before they were queued"):
         batch = next(batches)  # waits for the writeback: must notice, not hang
-    (-batch["inputs_embeds"]).sum().backward()
+        embeds = batch["inputs_embeds"]
+    (-embeds).sum().backward()
+    pipe.step()
     for batch in batches:
         (-batch["inputs_embeds"]).sum().backward()
+        pipe.step()
     pipe.close()
-    assert embedpipe.Table.open(path).step == 4  # 5 batches, the interrupted one not applied
+    assert embedpipe.Table.open(path).step == 4  # 5 steps taken, the interrupted one not counted
 
 
 def _raise_at_line(function: str, source: str, after: int):
@@ -324,6 +351,7 @@ def _train_in_two_parts(path, data, split, tracer=None):
         try:
             for batch in pipe.loader(data[:split], batch_size=4, num_workers=2):
                 (batch["inputs_embeds"] ** 2).sum().backward()
+                pipe.step()
                 done += 4
         except RuntimeError as e:
             assert "interrupted in" in str(e)
@@ -331,6 +359,7 @@ def _train_in_two_parts(path, data, split, tracer=None):
             sys.settrace(None)
         for batch in pipe.loader(data[done:], batch_size=4, num_workers=2):
             (batch["inputs_embeds"] ** 2).sum().backward()
+            pipe.step()
     return embedpipe.Table.open(path).to_tensor()
 
 
@@ -374,6 +403,7 @@ def test_a_failed_state_write_inside_a_step_never_leaves_half_a_step(path, monke
         with pipe:
             for batch in pipe.loader(data, batch_size=2):
                 (batch["inputs_embeds"] ** 2).sum().backward()
+                pipe.step()
     assert raised.value.errno == errno.ENOSPC
     table = embedpipe.Table.open(path)
     expected, expected_sum = adagrad_reference(weight, batches, table.step)
@@ -390,16 +420,17 @@ def test_close_gives_up_on_a_writeback_that_hangs(path):
 
     @dataclass(frozen=True)
     class HangingSGD(embedpipe.optim.SGD):
-        def update(self, rows, grad, state, step):
+        def update(self, rows, grad, state, step, lr=None):
             if step == 2:
                 release.wait(30)  # a table write that never returns
-            super().update(rows, grad, state, step)
+            super().update(rows, grad, state, step, lr=lr)
 
     pipe = EmbeddingPipe(
         path, cache_rows=10, optimizer=HangingSGD(lr=1.0), consistency="bounded", max_staleness=5
     )
     for batch in pipe.loader(samples(6), batch_size=2):
         (-batch["inputs_embeds"]).sum().backward()
+        pipe.step()
     pipe._owner.writeback.stall_seconds = 0.5
     started = time.monotonic()
     with pytest.raises(WritebackError, match="applied nothing for"):
@@ -422,6 +453,7 @@ def test_a_worker_killed_at_random_points_raises_within_bounded_time(path):
             with pytest.raises(RuntimeError, match=r"worker \(pid \d+\)"):
                 for k, batch in enumerate(loader):
                     (-batch["inputs_embeds"]).sum().backward()
+                    pipe.step()
                     if k == kill_at:
                         victim = psutil.Process().children()[int(rng.integers(0, 2))]
                         os.kill(victim.pid, signal.SIGKILL)
@@ -449,6 +481,7 @@ def test_a_pipe_that_cannot_commit_leaves_the_last_checkpoint_as_it_was(path, mo
     with pytest.raises(OSError):
         for batch in pipe.loader(samples(20), batch_size=2):
             (batch["inputs_embeds"] ** 2).sum().backward()
+            pipe.step()
     assert pipe._owner.cache.broken is not None
     with pytest.raises(OSError):
         pipe.close()

@@ -9,6 +9,7 @@ def test_all_is_sorted_and_complete():
         "EmbeddedBatch",
         "EmbeddingPipe",
         "Table",
+        "collate",
         "errors",
         "export_table",
         "hf",

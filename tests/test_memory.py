@@ -45,7 +45,7 @@ def memory(loader) -> tuple[int, list[int]]:
     The workers' RSS counts the pages of the table files they have mapped, which two workers
     share (so USS alone would not see them) and which the kernel maps a large folio at a time.
     """
-    pids = [w.pid for w in loader.dataloader._iterator._workers]  # persistent workers
+    pids = [w.pid for w in loader._iterator._workers]  # persistent workers
     workers = [psutil.Process(pid).memory_full_info() for pid in pids]
     return psutil.Process().memory_info().rss, [max(w.rss, w.uss) for w in workers]
 
@@ -64,6 +64,7 @@ def test_neither_owner_nor_workers_grow_with_the_table(tmp_path):
     with pipe:
         for k, batch in enumerate(loader):
             batch["inputs_embeds"].mean().backward()
+            pipe.step()
             if k == 0:  # the workers are up and have read their first batches
                 _, workers_start = memory(loader)
             if k == WARMUP:  # the owner's allocator and lazy imports have settled

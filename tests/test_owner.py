@@ -33,6 +33,7 @@ def path(tmp_path):
 def train(pipe, n_batches: int) -> None:
     for batch in pipe.loader(samples(2 * n_batches), batch_size=2):
         (-batch["inputs_embeds"]).sum().backward()
+        pipe.step()
 
 
 def sgd() -> embedpipe.optim.SGD:
@@ -100,6 +101,7 @@ def test_a_dropped_pipe_is_collected_commits_its_steps_and_releases_the_table(pa
     loader = pipe.loader(samples(6), batch_size=2)
     for batch in loader:
         (-batch["inputs_embeds"]).sum().backward()
+        pipe.step()
     alive = weakref.ref(pipe)
     with pytest.warns(ResourceWarning, match="was not closed"):
         del pipe, loader, batch
@@ -121,6 +123,7 @@ def test_a_pipe_alive_at_interpreter_exit_commits_its_steps(tmp_path, compressor
         data = [{{"input_ids": torch.tensor([i % {V}, 7])}} for i in range(8)]
         for batch in pipe.loader(data, batch_size=2, num_workers=2):
             (-batch["inputs_embeds"]).sum().backward()
+            pipe.step()
         # no close(): the interpreter exits with the pipe alive
         """
     )
@@ -152,6 +155,7 @@ def test_workers_that_exit_each_epoch_commit_nothing(path):
         for _ in range(3):
             for batch in loader:
                 (batch["inputs_embeds"] ** 2).sum().backward()
+                pipe.step()
             time.sleep(0.5)  # this epoch's worker has exited
             assert [c.step for c in pipe.table.checkpoints] == [0]  # nothing committed by it
     table = embedpipe.Table.open(path)
@@ -172,6 +176,7 @@ def test_a_trainer_killed_after_its_workers_exited_reopens_at_its_real_checkpoin
         data = [{{"input_ids": torch.tensor([i % {V}, 7])}} for i in range(40)]
         for batch in pipe.loader(data, batch_size=4, num_workers=1):
             (batch["inputs_embeds"] ** 2).sum().backward()
+            pipe.step()
         time.sleep(0.5)  # the worker exits
         os.kill(os.getpid(), signal.SIGKILL)
         """
@@ -189,6 +194,7 @@ def test_steps_that_change_no_row_are_committed_too(path):
     ) as pipe:
         for k, batch in enumerate(pipe.loader(data, batch_size=4)):
             (batch["inputs_embeds"] ** 2).sum().backward()
+            pipe.step()
             if k == 1:
                 pipe.checkpoint()  # step 2; step 3 only has the padding id: no row changes
     assert embedpipe.Table.open(path).step == 3  # Adam's bias correction counts it

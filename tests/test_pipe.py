@@ -129,29 +129,33 @@ def test_gradient_accumulation_sums_batches_into_one_step(tmp_path, data):
         lr=0.5,
         path=tmp_path / "t.zarr",
         batch_size=4,
-        grad_accumulation=2,
+        accumulate=2,
         num_workers=2,
     )
     assert stats["steps"] == len(data) // 8
     assert torch.equal(table, reference)  # the same sums in the same order
 
 
+def test_grad_accumulation_is_gone_with_a_message_naming_the_replacement(tmp_path):
+    embedpipe.Table.create(tmp_path / "t.zarr", 50, 4).close()
+    with pytest.raises(TypeError, match="accumulate_grad_batches or accelerator.accumulate"):
+        EmbeddingPipe(tmp_path / "t.zarr", cache_rows=10, grad_accumulation=2)
+
+
 def test_a_checkpoint_inside_an_accumulation_group_does_not_change_training(tmp_path):
-    embedpipe.Table.create(tmp_path / "t.zarr", 50, 4, init="zeros").close()
     data = [{"input_ids": torch.tensor([i % 7, 3])} for i in range(8)]
     results = []
     for checkpoint in (False, True):
         path = tmp_path / f"c{checkpoint}.zarr"
         embedpipe.Table.create(path, 50, 4).close()
-        with EmbeddingPipe(
-            path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=0.1), grad_accumulation=4
-        ) as pipe:
+        with EmbeddingPipe(path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=0.1)) as pipe:
             for k, batch in enumerate(pipe.loader(data, batch_size=2)):
                 (batch["inputs_embeds"] ** 2).sum().backward()
                 if checkpoint and k == 1:
                     pipe.checkpoint()
                     assert pipe.stats()["steps"] == 0  # half a group is not a step
                     assert embedpipe.Table.open(path).step == 0
+            pipe.step()  # the four backward passes, summed
         assert pipe.stats()["steps"] == 1
         results.append(embedpipe.Table.open(path).to_tensor())
     assert torch.equal(results[0], results[1])

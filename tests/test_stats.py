@@ -23,6 +23,7 @@ def _run(tmp_path, optimizer=None):
         for batch in pipe.loader(data, batch_size=1, collate_fn=lambda s: s[0]):
             if optimizer is not None:
                 (batch["inputs_embeds"] ** 2).sum().backward()
+                pipe.step()
         during = pipe.stats()
     return during, pipe.stats()
 
