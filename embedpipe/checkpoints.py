@@ -351,7 +351,8 @@ class Pin:
             self.fd = -1
 
     def __del__(self) -> None:
-        self.release()
+        with contextlib.suppress(AttributeError, TypeError):  # at exit os may be gone already
+            self.release()
 
 
 # ----------------------------------------------------------------------------- recover, restore

@@ -46,6 +46,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 #: Called with (ids (U,) CPU int64, grad (U, D) on the gradient's device, lr or None) per step.
 StepSink = Callable[[torch.Tensor, torch.Tensor, "float | None"], None]
+#: Called with (ids, grad) before a step is taken; raises to refuse it (a non-finite gradient).
+StepCheck = Callable[[torch.Tensor, torch.Tensor], None]
 
 #: Backward passes with no optimizer step ever seen before the pipe warns that none may come.
 PILE_UP_WARNING = 100
@@ -54,10 +56,11 @@ PILE_UP_WARNING = 100
 class TableGradient:
     """The pending gradient of the table's rows, as :attr:`parameter`'s ``.grad``."""
 
-    def __init__(self, dim: int, base_lr: float, on_step: StepSink) -> None:
+    def __init__(self, dim: int, base_lr: float, check: StepCheck, on_step: StepSink) -> None:
         self.parameter = nn.Parameter(torch.empty(0, dim))
         self.ids: torch.Tensor | None = None  # the rows of parameter.grad, sorted
         self.base_lr = base_lr
+        self.check = check
         self.on_step = on_step
         self.backwards = 0  # backward passes added since the last step
         self.steps = 0  # steps taken
@@ -134,8 +137,9 @@ class TableGradient:
             self.clear()
             return False
         ids, grad = self.ids, self.parameter.grad
-        self.on_step(ids, grad, lr)  # raises before anything is taken on bad input
-        self.clear()
+        self.check(ids, grad)  # a refused step leaves the gradient pending, as .grad stays
+        self.clear()  # before it is queued: a signal in between loses it, never queues it twice
+        self.on_step(ids, grad, lr)
         self.steps += 1
         return True
 

@@ -74,7 +74,9 @@ class Owner:
             else None
         )
         self.gradient = (
-            TableGradient(table.dim, optimizer.lr, self.submit) if optimizer is not None else None
+            TableGradient(table.dim, optimizer.lr, self.check_step, self.submit)
+            if optimizer is not None
+            else None
         )
         self.counts = dict.fromkeys(("batches", "hits", "misses", "refreshed", "ring_overruns"), 0)
         self._step_in_progress: int | None = None  # for the messages of failed table writes
@@ -169,9 +171,8 @@ class Owner:
                 unique_ids, grad = unique_ids[keep], grad[keep.to(grad.device)]
         self.gradient.add(unique_ids, grad)
 
-    def submit(self, ids: torch.Tensor, grad: torch.Tensor, lr: float | None) -> None:
-        """Queue one optimizer step of the rows ``ids`` (the pending gradient, taken by an
-        optimizer step or ``pipe.step()``); checked before anything is queued."""
+    def check_step(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """Refuse a step of a closed pipe, or of a non-finite gradient (before it is taken)."""
         self.check_open()
         if self.check_finite:
             bad = ~torch.isfinite(grad).all(dim=1)
@@ -186,6 +187,10 @@ class Owner:
                     "Lower the learning rate, clip gradients or check the loss; "
                     "check_finite=False skips this check"
                 )
+
+    def submit(self, ids: torch.Tensor, grad: torch.Tensor, lr: float | None) -> None:
+        """Queue one optimizer step of the rows ``ids`` (the pending gradient, taken by an
+        optimizer step or ``pipe.step()``, checked by :meth:`check_step`)."""
         grad = grad.detach().to("cpu", getattr(torch, self.table.dtype.name))
         self.writeback.submit(ids.numpy(), grad, lr)
 

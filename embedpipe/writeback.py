@@ -15,7 +15,7 @@ loop by the next :meth:`submit`, :meth:`wait` or :meth:`close`; the thread stops
 waits forever on a thread that is gone, and :meth:`close` gives up on a thread that has made no
 progress for ``stall_seconds`` (a hung disk) instead of joining it forever.
 
-A signal (Ctrl-C in a notebook during backward) can land between any two bytecodes of
+A signal (Ctrl-C in a notebook during optimizer.step()) can land between any two bytecodes of
 :meth:`submit`. The count goes up first and the step is queued after, by one call of
 ``SimpleQueue.put`` (C code: done or not done); an interruption in between leaves a step counted
 that never reaches the queue. :meth:`wait` notices, once the thread has found the queue empty
@@ -125,7 +125,7 @@ class Writeback:
         self.submitted = self.applied
         warnings.warn(
             f"{lost} embedding update(s) were interrupted before they were queued (a signal during "
-            "backward?) and are not applied; training goes on from step "
+            "the optimizer step?) and are not applied; training goes on from step "
             f"{self.applied}",
             RuntimeWarning,
             stacklevel=3,

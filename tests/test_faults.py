@@ -303,6 +303,7 @@ def test_a_signal_inside_submit_neither_hangs_nor_loses_the_pipe(path):
     (-next(batches)["inputs_embeds"]).sum().backward()
     with pytest.raises(KeyboardInterrupt):
         pipe.step()  # counted, never queued
+    assert not pipe._owner.gradient.pending  # lost, as the warning will say: not applied later
     with pytest.warns(RuntimeWarning, match="interrupted before they were queued"):
         batch = next(batches)  # waits for the writeback: must notice, not hang
         embeds = batch["inputs_embeds"]
