@@ -56,8 +56,17 @@ PILE_UP_WARNING = 100
 class TableGradient:
     """The pending gradient of the table's rows, as :attr:`parameter`'s ``.grad``."""
 
-    def __init__(self, dim: int, base_lr: float, check: StepCheck, on_step: StepSink) -> None:
-        self.parameter = nn.Parameter(torch.empty(0, dim))
+    def __init__(
+        self,
+        dim: int,
+        base_lr: float,
+        check: StepCheck,
+        on_step: StepSink,
+        parameter: nn.Parameter | None = None,
+    ) -> None:
+        """``parameter``: the one to hold the gradient in (``offload`` makes it, so that an
+        optimizer built before the pipe holds it too); a new one if None."""
+        self.parameter = parameter if parameter is not None else nn.Parameter(torch.empty(0, dim))
         self.ids: torch.Tensor | None = None  # the rows of parameter.grad, sorted
         self.base_lr = base_lr
         self.check = check
@@ -74,6 +83,7 @@ class TableGradient:
             return None if gradient is None else gradient._pre_step(optimizer, args, kwargs)
 
         self._hook = register_optimizer_step_pre_hook(pre_step)
+        self.clear()  # an adopted parameter may hold what an earlier pipe left
 
     # ----------------------------------------------------------------------------- backward
     @property

@@ -62,9 +62,10 @@ class OffloadedEmbedding(nn.Module):
     the ``dtype`` and ``device`` the model expects ``inputs_embeds`` in (they follow
     ``model.to(...)``). Calling it, or reading ``.weight``, raises :class:`EmbeddingsOffloadedError`.
 
-    Its one parameter, ``rows``, is a training pipe's :attr:`~embedpipe.EmbeddingPipe.parameter`
-    (None until a pipe attaches): the table's pending gradient, in the model where the embedding
-    weight was, so clipping ``model.parameters()`` counts it. It holds no data (a view of one
+    Its one parameter, ``rows``, is a training pipe's :attr:`~embedpipe.EmbeddingPipe.parameter`:
+    the table's pending gradient, in the model where the embedding weight was, so clipping
+    ``model.parameters()`` counts it. :func:`offload` makes it, and a pipe on the table adopts it,
+    so an optimizer built before or after the pipe holds it. It holds no data (a view of one
     zero), is left out of ``state_dict()`` and does not follow ``model.to(...)``: it lives where
     the gradient does.
     """
@@ -190,6 +191,8 @@ def offload(
     if placeholder.padding_idx is not None:  # the pipe's default padding_idx
         table._update_metadata(padding_idx=int(placeholder.padding_idx))
     placeholder.path = table.path
+    # the gradient parameter a pipe on this table will use: an optimizer built now holds it
+    placeholder.attach(nn.Parameter(torch.empty(0, weight.shape[1], device=weight.device)))
     model.set_input_embeddings(placeholder)
     _OFFLOADED.setdefault(os.path.realpath(table.path), weakref.WeakSet()).add(placeholder)
     return table

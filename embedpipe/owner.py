@@ -51,6 +51,7 @@ class Owner:
         options: dict[str, Any],
         *,
         owns_table: bool,
+        parameter: torch.nn.Parameter | None = None,
     ) -> None:
         self.table = table
         self.optimizer = optimizer
@@ -74,7 +75,7 @@ class Owner:
             else None
         )
         self.gradient = (
-            TableGradient(table.dim, optimizer.lr, self.check_step, self.submit)
+            TableGradient(table.dim, optimizer.lr, self.check_step, self.submit, parameter)
             if optimizer is not None
             else None
         )

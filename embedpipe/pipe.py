@@ -110,12 +110,14 @@ class EmbeddingPipe:
                     padding_idx=padding_idx,
                     check_finite=check_finite,
                 )
+                placeholders = offloaded_embeddings(table.path) if optimizer is not None else []
                 self._owner = Owner(
                     table,
                     make_policy(policy, cache_rows, table.num_rows),
                     optimizer,
                     options,
                     owns_table=owns_table,
+                    parameter=next((p.rows for p in placeholders if p.rows is not None), None),
                 )
             except BaseException:
                 table._release_claim()
@@ -130,7 +132,7 @@ class EmbeddingPipe:
         self.padding_idx = padding_idx
         if optimizer is not None:
             table._reads_after(self._owner.flush)  # table.read() sees the pipe's rows
-            for placeholder in offloaded_embeddings(table.path):
+            for placeholder in placeholders:
                 placeholder.attach(self.parameter)
         self._finalizer = weakref.finalize(self, _close_unclosed, self._owner, repr(self))
         self._finalizer.atexit = False  # _close_all_at_exit does it, earlier

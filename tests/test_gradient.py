@@ -179,3 +179,14 @@ def test_lookups_in_the_training_process_do_not_flush_the_pipe(tmp_path, monkeyp
             batch["inputs_embeds"].sum().backward()
             pipe.step()
         assert pipe.stats()["misses"] > 0 and flushes == []
+
+
+def test_an_optimizer_built_after_offload_and_before_the_pipe_holds_the_table(tmp_path):
+    from .frameworks import bert
+
+    model = bert()
+    table = embedpipe.hf.offload(model, tmp_path / "m.zarr")
+    optimizer = torch.optim.AdamW(model.parameters())  # the order the old docs taught
+    with table, EmbeddingPipe(table, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=1)) as pipe:
+        assert any(p is pipe.parameter for g in optimizer.param_groups for p in g["params"])
+        assert any(p is pipe.parameter for p in model.parameters())
