@@ -118,8 +118,16 @@ class PipeLoader(DataLoader):
     def _batches(self) -> Iterator[EmbeddedBatch]:
         """The DataLoader's output, with a failed batch ending the epoch cleanly."""
         iterator = super().__iter__()
+        inline = self.num_workers == 0  # the lookup runs at next(), in this thread
         try:
-            yield from iterator
+            while True:
+                if inline:  # exact mode: look up after the steps taken so far are applied
+                    self.pipe._owner.before_lookup()
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    return
+                yield batch
         except Exception as e:
             # A failed batch (a dead worker, a bad sample) ends the epoch: stop the workers now
             # rather than when the traceback that references the iterator is collected. A dead

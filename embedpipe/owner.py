@@ -88,6 +88,13 @@ class Owner:
     def trains(self) -> bool:
         return self.optimizer is not None
 
+    def before_lookup(self) -> None:
+        """Called before a lookup that runs in the training loop (``num_workers=0``): in exact
+        mode, waiting for the steps submitted so far costs no more than waiting at the claim,
+        and the lookup then reads no row it must read again."""
+        if self.writeback is not None and self.consistency == "exact":
+            self.writeback.wait()
+
     def hand_off(self, item: LookedUp, rows: np.ndarray | None, pin: bool = False) -> EmbeddedBatch:
         """Claim a worker's lookup as the batch the loop sees (main thread).
 
