@@ -68,6 +68,7 @@ class TableGradient:
         optimizer built before the pipe holds it too); a new one if None."""
         self.parameter = parameter if parameter is not None else nn.Parameter(torch.empty(0, dim))
         self.ids: torch.Tensor | None = None  # the rows of parameter.grad, sorted
+        self._version = -1  # parameter.grad's version counter when this object last changed it
         self.base_lr = base_lr
         self.check = check
         self.on_step = on_step
@@ -88,8 +89,23 @@ class TableGradient:
     # ----------------------------------------------------------------------------- backward
     @property
     def pending(self) -> bool:
-        """A gradient has been accumulated and no step has taken it (nor ``zero_grad`` dropped it)."""
-        return self.parameter.grad is not None and self.ids is not None
+        """A gradient has been accumulated and no step has taken it (nor ``zero_grad`` dropped it).
+
+        ``zero_grad(set_to_none=False)`` zeroes ``.grad`` in place instead of dropping it; for a
+        sparse gradient (what ``nn.Embedding(sparse=True)`` gives ``SparseAdam``) that leaves no
+        row at all, so a zeroed gradient counts as dropped here too: its rows are not stepped
+        (Adam would otherwise decay their moments and move them). In-place changes are seen by
+        the tensor's version counter; clipping changes it too, but leaves a non-zero gradient.
+        """
+        grad = self.parameter.grad
+        if grad is None or self.ids is None:
+            return False
+        if grad._version != self._version:
+            self._version = grad._version
+            if not bool(grad.any()):
+                self.clear()
+                return False
+        return True
 
     def add(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
         """Add one backward pass's gradient ``grad`` (U, D) of the rows ``ids`` (U,) sorted.
@@ -108,6 +124,7 @@ class TableGradient:
             )
             if len(both) == len(self.ids):  # no new rows: add in place, as AccumulateGrad does
                 held.index_add_(0, new, grad.to(held.dtype))
+                self._version = held._version
             else:
                 total = held.new_zeros(len(both), held.shape[1])
                 total.index_add_(0, old, held)
@@ -129,6 +146,7 @@ class TableGradient:
         param.data = grad.new_zeros(()).expand(grad.shape)  # the shape .grad needs, no memory
         param.grad = grad
         self.ids = ids
+        self._version = grad._version
 
     def clear(self) -> None:
         """Drop the pending gradient, as ``zero_grad()`` does."""

@@ -190,3 +190,31 @@ def test_an_optimizer_built_after_offload_and_before_the_pipe_holds_the_table(tm
     with table, EmbeddingPipe(table, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=1)) as pipe:
         assert any(p is pipe.parameter for g in optimizer.param_groups for p in g["params"])
         assert any(p is pipe.parameter for p in model.parameters())
+
+
+def test_zero_grad_without_set_to_none_drops_rows_as_a_sparse_gradient_does(tmp_path):
+    # SparseAdam decays the moments of every row present in the gradient; a sparse gradient
+    # zeroed in place has no rows left, so zeroed rows must not be stepped.
+    weight = np.arange(400, dtype=np.float32).reshape(100, 4) / 100
+    reference = torch.nn.Embedding(100, 4, sparse=True, _weight=torch.from_numpy(weight.copy()))
+    torch_adam = torch.optim.SparseAdam(reference.parameters(), lr=0.1)
+    first, second = torch.tensor([[1, 2]]), torch.tensor([[3, 4]])
+    with EmbeddingPipe(
+        small_table(tmp_path), cache_rows=10, optimizer=embedpipe.optim.Adam(lr=0.1)
+    ) as pipe:
+        holder = torch.optim.SGD([pipe.parameter], lr=0.1)
+        loader = iter(pipe.loader([{"input_ids": first[0]}, {"input_ids": second[0]}], batch_size=1))
+        for ids, optimizer in ((first, torch_adam), (second, torch_adam)):
+            (reference(ids) ** 2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        for batch in loader:
+            squares(batch).backward()
+            holder.step()
+            holder.zero_grad(set_to_none=False)
+        squares(next(iter(pipe.loader([{"input_ids": second[0]}], batch_size=1)))).backward()
+        holder.zero_grad(set_to_none=False)  # zeroed, then stepped: no row moves
+        torch_adam.step()
+        holder.step()
+    table = embedpipe.Table.open(tmp_path / "t.zarr").to_tensor()
+    assert torch.allclose(table, reference.weight.detach(), rtol=0, atol=1e-6)
