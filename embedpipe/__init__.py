@@ -9,15 +9,18 @@ __version__ = "0.1.0"
 
 from . import collate, errors, hf, optim
 from .batch import EmbeddedBatch
+from .convert import ConvertedShard, convert
 from .pipe import EmbeddingPipe
 from .table import Table
 from .tensorfiles import export_table, import_table
 
 __all__ = [
+    "ConvertedShard",
     "EmbeddedBatch",
     "EmbeddingPipe",
     "Table",
     "collate",
+    "convert",
     "errors",
     "export_table",
     "hf",

@@ -10,10 +10,12 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from . import __version__
+from .convert import DTYPES, ConvertedShard, convert
 from .errors import EmbedpipeError
 from .table import COMPRESSORS, Table
 from .tensorfiles import export_table, import_table
@@ -69,6 +71,32 @@ def cmd_demo(args: argparse.Namespace) -> None:
             )
         for name, value in table_info(Table.open(path)).items():
             print(f"{name:<16}{value}")
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    started = time.perf_counter()
+    out = convert(
+        args.table,
+        args.shard,
+        args.out,
+        ids_key=args.ids_key,
+        dtype=args.dtype,
+        max_length=args.max_length,
+        pad_id=args.pad_id,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        cache_rows=args.cache_rows,
+        resume=args.resume,
+        full_embedding_block=args.full_embedding_block,
+        progress=True,
+    )
+    shard = ConvertedShard(out, check_table=False)
+    r = shard.record
+    seconds = time.perf_counter() - started
+    print(
+        f"converted {args.shard} into {out}: inputs_embeds [{r['num_rows']}, {r['length']}, "
+        f"{r['dim']}] {r['dtype']} in {seconds:.1f} s"
+    )
 
 
 def table_info(table: Table) -> dict[str, object]:
@@ -153,6 +181,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="describe the checkpoint at this step")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=cmd_info)
+
+    p = commands.add_parser(
+        "convert", help="pre-convert a shard of token ids into embeddings (a zarr group)"
+    )
+    p.add_argument("table", help="table folder (read only; the table stays frozen)")
+    p.add_argument("shard", help=".npy [N, L] ids, .jsonl, .parquet or a datasets folder")
+    p.add_argument("out", help="folder of the converted shard (a zarr v3 group); must not exist")
+    p.add_argument("--ids-key", default="input_ids", help="field of the token ids")
+    p.add_argument("--dtype", choices=DTYPES, help="dtype of the embeddings (default: the table's)")
+    p.add_argument(
+        "--max-length", type=positive_int, help="pad every row to this length (default: longest)"
+    )
+    p.add_argument(
+        "--pad-id", type=int, help="id that pads ragged rows (default: the table's padding_idx)"
+    )
+    p.add_argument("--batch-size", type=positive_int, default=64, help="rows per batch and chunk")
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers (default: 2)")
+    p.add_argument(
+        "--cache-rows", type=int, default=32768, help="rows in the shared cache (default: 32768)"
+    )
+    p.add_argument("--resume", action="store_true", help="continue a half-done conversion at OUT")
+    p.add_argument(
+        "--full-embedding-block",
+        metavar="HF_MODEL_DIR",
+        help="write the model's embedding block output (word + position + token type, LayerNorm)",
+    )
+    p.set_defaults(run=cmd_convert)
 
     p = commands.add_parser("demo", help="create a table in a temporary folder and describe it")
     p.add_argument(

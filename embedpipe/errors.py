@@ -21,7 +21,10 @@ that do not know embedpipe::
     ├── WorkerDiedError         RuntimeError        a DataLoader worker died mid-epoch
     ├── DistributedNotSupportedError  RuntimeError  a trained pipe in a process group of > 1
     ├── SourceFormatError       ValueError          a file `embedpipe import` cannot read
-    └── SourceKeyError          LookupError         no tensor, or several, match the key
+    ├── SourceKeyError          LookupError         no tensor, or several, match the key
+    ├── ShardFormatError        ValueError          a shard `embedpipe convert` cannot read
+    ├── ConversionExistsError   FileExistsError     convert's output exists and cannot be resumed
+    └── IncompleteConversionError  ValueError       a conversion that never finished
 
 Messages name the offending value and say what to do about it.
 """
@@ -103,3 +106,17 @@ class SourceKeyError(EmbedpipeError, LookupError):
 
     def __str__(self) -> str:  # LookupError's KeyError cousin quotes the message; keep it plain
         return str(self.args[0]) if self.args else ""
+
+
+class ShardFormatError(EmbedpipeError, ValueError):
+    """A corpus shard ``embedpipe convert`` cannot read: unknown suffix, unreadable, wrong
+    dtype or shape, a missing ids field, rows longer than ``--max-length``."""
+
+
+class ConversionExistsError(EmbedpipeError, FileExistsError):
+    """The output of a conversion exists and is not a half-done conversion of the same shard,
+    table and options (or ``--resume`` was not given)."""
+
+
+class IncompleteConversionError(EmbedpipeError, ValueError):
+    """A converted shard whose conversion never finished (killed or failed); ``--resume`` it."""

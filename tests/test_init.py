@@ -6,10 +6,12 @@ import embedpipe
 def test_all_is_sorted_and_complete():
     assert embedpipe.__all__ == sorted(embedpipe.__all__)
     assert embedpipe.__all__ == [
+        "ConvertedShard",
         "EmbeddedBatch",
         "EmbeddingPipe",
         "Table",
         "collate",
+        "convert",
         "errors",
         "export_table",
         "hf",
