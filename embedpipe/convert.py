@@ -4,7 +4,9 @@
 Parquet file, or a ``datasets`` folder saved with ``save_to_disk``), looks every row up through an
 :class:`~embedpipe.EmbeddingPipe` with no optimizer (the same DataLoader workers, shared cache and
 table reads as training) and writes a zarr v3 group: ``inputs_embeds`` [N, L, D],
-``attention_mask`` [N, L] and the shard's other fields. :class:`ConvertedShard` is a map-style
+``attention_mask`` [N, L] and the shard's other numeric fields (numbers, [N]; lists of numbers,
+padded to [N, L]; fields of text are left out and listed as ``dropped_fields``).
+:class:`ConvertedShard` is a map-style
 Dataset over that group. ``docs/convert.md`` describes the format and how to train on it.
 
 NOTE [ A conversion is complete only when it says so ]
@@ -13,7 +15,9 @@ the table's fingerprint, ``rows_done`` and ``complete``. Arrays are chunked alon
 size, so each batch writes whole chunks; after a batch's chunks are written, ``rows_done`` moves
 on. ``complete: true`` is written last. Every rewrite of ``zarr.json`` goes to a temporary file
 renamed over it (``os.replace``), so a process killed at any point leaves either the old
-attributes or the new ones, never a torn file, and never ``complete`` over missing rows.
+attributes or the new ones, never a torn file, and never ``complete`` over missing rows. Nothing
+is fsynced: this holds for a killed process, not for a power cut (the chunks may still be in
+the page cache when ``complete`` is).
 ``resume=True`` starts again at ``rows_done`` (a chunk boundary) once the source, the table, its
 fingerprint and every option that shapes the bytes match what the group recorded.
 
@@ -45,7 +49,6 @@ from tqdm.auto import tqdm
 from .errors import (
     ConversionExistsError,
     EmbedpipeError,
-    IdOutOfRangeError,
     IncompleteConversionError,
     ShardFormatError,
 )
@@ -102,9 +105,9 @@ class NpyShard(Dataset):
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_array": None}  # each process maps the file itself
 
-    def scan(self) -> tuple[int, dict[str, str]]:
-        """The longest row and each field's kind (NOTE in :func:`_scan_samples`)."""
-        return self.shape[1], {self.ids_key: "token"}
+    def scan(self) -> tuple[int, int, dict[str, str]]:
+        """The longest row of any list field, the shortest ids row, and each field's kind."""
+        return self.shape[1], self.shape[1], {self.ids_key: "ints"}
 
 
 class JsonlShard(Dataset):
@@ -117,19 +120,21 @@ class JsonlShard(Dataset):
         self._file: Any = None
         self._pid = -1
         offsets: list[int] = []
-        longest, kinds = 0, {}
+        longest, shortest, kinds = 0, None, {}
         with open(path, "rb") as f:
             position = 0
             for number, line in enumerate(f, 1):
                 if line.strip():
                     sample = _parse_line(line, path, number, ids_key)
                     longest = max(longest, _merge_kinds(kinds, sample, f"{path}:{number}"))
+                    n = len(sample[ids_key]) if _kind(sample[ids_key]) in LIST_KINDS else 0
+                    shortest = n if shortest is None else min(shortest, n)
                     offsets.append(position)
                 position += len(line)
         if not offsets:
             raise ShardFormatError(f"{path} holds no lines; a .jsonl shard has one object a line")
         self.offsets = np.asarray(offsets, dtype=np.int64)
-        self._scan = (longest, kinds)
+        self._scan = (longest, shortest or 0, kinds)
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -143,7 +148,7 @@ class JsonlShard(Dataset):
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_file": None, "_pid": -1}
 
-    def scan(self) -> tuple[int, dict[str, str]]:
+    def scan(self) -> tuple[int, int, dict[str, str]]:
         return self._scan
 
 
@@ -221,12 +226,13 @@ class ArrowShard(Dataset):
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_source": None, "_held": None}
 
-    def scan(self) -> tuple[int, dict[str, str]]:
-        """The longest ids row, from the column's list lengths; the kinds from the first row."""
+    def scan(self) -> tuple[int, int, dict[str, str]]:
+        """The longest and shortest ids rows, from the column's list lengths; the kinds from
+        the first row."""
         import pyarrow.compute as pc
 
         source = self._open()
-        longest = 0
+        longest, shortest = 0, None
         if hasattr(source, "read_row_group"):
             columns = (
                 source.read_row_group(i, columns=[self.ids_key]).column(0)
@@ -243,9 +249,13 @@ class ArrowShard(Dataset):
                 ) from None
             if len(lengths):
                 longest = max(longest, int(pc.max(lengths).as_py() or 0))
+                least = int(pc.min(lengths).as_py() or 0)
+                shortest = least if shortest is None else min(shortest, least)
         kinds: dict[str, str] = {}
-        _merge_kinds(kinds, self[0], f"{self.path} row 0")
-        return longest, kinds
+        longest = max(longest, _merge_kinds(kinds, self[0], f"{self.path} row 0"))
+        if kinds[self.ids_key] not in LIST_KINDS:
+            raise ShardFormatError(f"{self.path}: column {self.ids_key!r} is not a list of ids")
+        return longest, shortest or 0, kinds
 
 
 def open_shard(path: str | os.PathLike[str], ids_key: str = "input_ids") -> Dataset:
@@ -257,15 +267,19 @@ def open_shard(path: str | os.PathLike[str], ids_key: str = "input_ids") -> Data
         )
     suffix = Path(path).suffix.lower()
     if os.path.isdir(path) or suffix == ".parquet":
-        return ArrowShard(path, ids_key)
-    if suffix == ".npy":
-        return NpyShard(path, ids_key)
-    if suffix == ".jsonl":
-        return JsonlShard(path, ids_key)
-    raise ShardFormatError(
-        f"{path}: unknown shard type {suffix!r}; give one of {', '.join(SUFFIXES)} or a "
-        "datasets folder saved with save_to_disk"
-    )
+        reader: Dataset = ArrowShard(path, ids_key)
+    elif suffix == ".npy":
+        reader = NpyShard(path, ids_key)
+    elif suffix == ".jsonl":
+        reader = JsonlShard(path, ids_key)
+    else:
+        raise ShardFormatError(
+            f"{path}: unknown shard type {suffix!r}; give one of {', '.join(SUFFIXES)} or a "
+            "datasets folder saved with save_to_disk"
+        )
+    if len(reader) == 0:
+        raise ShardFormatError(f"{path} holds no rows: nothing to convert")
+    return reader
 
 
 def _load_npy(path: str) -> np.ndarray:
@@ -289,9 +303,14 @@ def _parse_line(line: bytes, path: str, number: int, ids_key: str) -> dict[str, 
 
 
 def _kind(value: Any) -> str:
-    """``token`` for a list of numbers (padded to the length), ``int``/``float`` for a number."""
-    if isinstance(value, (list, tuple, np.ndarray, torch.Tensor)):
-        return "token"
+    """``ints``/``floats`` for a list of numbers (padded to the length), ``int``/``float`` for a
+    number, ``other`` for anything else."""
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        return "floats" if value.dtype.is_floating_point or value.dtype.kind == "f" else "ints"
+    if isinstance(value, (list, tuple)):
+        if not all(isinstance(x, (int, float, np.integer, np.floating)) for x in value):
+            return "other"
+        return "floats" if any(isinstance(x, (float, np.floating)) for x in value) else "ints"
     if isinstance(value, (bool, int, np.integer)):
         return "int"
     if isinstance(value, (float, np.floating)):
@@ -305,20 +324,27 @@ def _merge_kinds(kinds: dict[str, str], sample: Mapping[str, Any], where: str) -
     longest = 0
     for field, value in sample.items():
         kind = _kind(value)
-        if kind == "other":
+        known = kinds.setdefault(field, kind)
+        if known != kind and {kind, known} not in ({"int", "float"}, {"ints", "floats"}):
             raise ShardFormatError(
-                f"{where}: field {field!r} is {type(value).__name__}; a converted shard keeps "
-                "numbers and lists of numbers only"
+                f"{where}: field {field!r} is {_KIND_NAMES[kind]} here and "
+                f"{_KIND_NAMES[known]} in earlier rows"
             )
-        if kinds.setdefault(field, kind) != kind and {kind, kinds[field]} != {"int", "float"}:
-            raise ShardFormatError(
-                f"{where}: field {field!r} is a {kind} here and a {kinds[field]} in earlier rows"
-            )
-        if kind == "float":
-            kinds[field] = "float"
-        if kind == "token":
+        if kind in ("float", "floats"):
+            kinds[field] = kind
+        if kind in LIST_KINDS:
             longest = max(longest, len(value))
     return longest
+
+
+LIST_KINDS = ("ints", "floats")
+_KIND_NAMES = {
+    "ints": "a list of integers",
+    "floats": "a list of numbers",
+    "int": "an integer",
+    "float": "a number",
+    "other": "neither numbers nor a list of numbers",
+}
 
 
 # --------------------------------------------------------------------------------- collate
@@ -337,11 +363,11 @@ class FixedLengthCollate:
         batch: dict[str, torch.Tensor] = {}
         for field, kind in self.kinds.items():
             values = [s[field] for s in samples]
-            if kind != "token":
+            if kind not in LIST_KINDS:
                 batch[field] = torch.as_tensor(values, dtype=_FIELD_TORCH[kind])
                 continue
             pad = self.pad_id if field == self.ids_key else PAD_VALUES.get(field, 0)
-            batch[field] = self._pad(field, values, pad)
+            batch[field] = self._pad(field, values, pad, _FIELD_TORCH[kind])
         if "attention_mask" not in batch:
             mask = torch.zeros(len(samples), self.length, dtype=torch.int64)
             for i, s in enumerate(samples):
@@ -349,9 +375,10 @@ class FixedLengthCollate:
             batch["attention_mask"] = mask
         return batch
 
-    def _pad(self, field: str, values: list[Any], pad: int | None) -> torch.Tensor:
+    def _pad(
+        self, field: str, values: list[Any], pad: int | None, dtype: torch.dtype
+    ) -> torch.Tensor:
         rows = [torch.as_tensor(v) for v in values]
-        dtype = torch.int64 if all(not r.is_floating_point() for r in rows) else torch.float32
         out = torch.full((len(rows), self.length), 0 if pad is None else pad, dtype=dtype)
         for i, r in enumerate(rows):
             if len(r) > self.length:
@@ -368,7 +395,12 @@ class FixedLengthCollate:
         return out
 
 
-_FIELD_TORCH = {"int": torch.int64, "float": torch.float32}
+_FIELD_TORCH = {
+    "int": torch.int64,
+    "float": torch.float32,
+    "ints": torch.int64,
+    "floats": torch.float32,
+}
 
 
 # --------------------------------------------------------------------------------- convert
@@ -404,10 +436,20 @@ def convert(
     created = False
     with Table.open(table, "r") as tbl:
         pad_id = tbl.metadata.get("padding_idx") if pad_id is None else pad_id
-        longest, kinds = reader.scan()
+        longest, shortest, kinds = reader.scan()
         length = _length(longest, max_length)
         if pad_id is not None and not 0 <= pad_id < tbl.num_rows:
             raise ValueError(f"pad id {pad_id} is outside the table's 0..{tbl.num_rows - 1}")
+        if pad_id is None and shortest < length:
+            raise ShardFormatError(
+                f"rows of {shortest} to {longest} ids are padded to {length}, and no pad id is "
+                f"known: pass --pad-id (the table {tbl.path} records no padding_idx)"
+            )
+        if kinds[ids_key] != "ints":
+            raise ShardFormatError(
+                f"{shard}: the {ids_key!r} field holds {_KIND_NAMES[kinds[ids_key]]}, not a "
+                "list of integer ids"
+            )
         block = _embedding_block(full_embedding_block, tbl.dim, length)
         record = {
             "format_version": FORMAT_VERSION,
@@ -425,7 +467,8 @@ def convert(
             "full_embedding_block": (
                 os.path.abspath(full_embedding_block) if full_embedding_block else None
             ),
-            "fields": {k: v for k, v in kinds.items() if k != ids_key},
+            "fields": {k: v for k, v in kinds.items() if k != ids_key and v != "other"},
+            "dropped_fields": sorted(k for k, v in kinds.items() if v == "other"),
         }
         start = _resume_point(out, record) if resume and os.path.exists(out) else None
         if start is None:
@@ -435,9 +478,10 @@ def convert(
                     "--resume to continue a half-done conversion of the same shard and table"
                 )
             created = True
-            _create_output(out, record)
             start = 0
         try:
+            if created:
+                _create_output(out, record)
             _fill(tbl, reader, out, record, start, block, workers, cache_rows, progress)
         except BaseException:
             if created and _read_record(out).get("rows_done", 0) == 0:
@@ -465,7 +509,7 @@ def _fill(
     n, length, batch_size = record["num_rows"], record["length"], record["batch_size"]
     collate = FixedLengthCollate(
         length,
-        {record["ids_key"]: "token", **record["fields"]},
+        {record["ids_key"]: "ints", **record["fields"]},
         record["pad_id"],
         record["ids_key"],
     )
@@ -504,8 +548,8 @@ def _fill(
                 done = stop
                 _update_record(out, rows_done=done)
                 bar.update(len(embeds) * length)
-        except IdOutOfRangeError as e:
-            raise IdOutOfRangeError(_worker_message(e, start)) from None
+        except EmbedpipeError as e:  # a worker's error: its own message, rows counted from 0
+            raise type(e)(_worker_message(e, start)) from None
     _update_record(
         out,
         complete=True,
@@ -516,12 +560,15 @@ def _fill(
 def _worker_message(error: Exception, start: int) -> str:
     """The checked sample's own message out of torch's "Caught ... in DataLoader worker" text,
     with the sample number counted from the shard's first row (not the resumed part's)."""
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    message = lines[-1].split(": ", 1)[1] if lines[0].startswith("Caught") else lines[0]
-    if message.startswith("sample ") and start:
-        number, rest = message[len("sample ") :].split(",", 1)
-        message = f"sample {int(number) + start},{rest}"
-    return f"{message.replace('sample ', 'row ', 1)} (rows are counted from 0)"
+    lines = [line for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    if lines[0].startswith("Caught") and ": " in lines[-1]:
+        message = lines[-1].split(": ", 1)[1]
+    else:
+        message = lines[0]
+    number, _, rest = message.removeprefix("sample ").partition(",")
+    if not message.startswith("sample ") or not number.isdigit():
+        return message
+    return f"row {int(number) + start},{rest} (rows are counted from 0)"
 
 
 def _stored(embeds: torch.Tensor, dtype: str) -> np.ndarray:
@@ -558,13 +605,13 @@ def _create_output(out: str, record: dict[str, Any]) -> None:
         dimension_names=["row", "position", "dim"],
     )
     for name in _array_names(record)[1:]:
-        kind = record["fields"].get(name, "token")
-        token = kind == "token"
+        kind = record["fields"].get(name, "ints")
+        token = kind in LIST_KINDS
         group.create_array(
             name,
             shape=(n, length) if token else (n,),
             chunks=(b, length) if token else (b,),
-            dtype="float32" if kind == "float" else "int64",
+            dtype="float32" if kind in ("float", "floats") else "int64",
             compressors=None,
             fill_value=0,
             dimension_names=["row", "position"] if token else ["row"],
@@ -588,8 +635,6 @@ def _update_record(out: str, **values: Any) -> None:
     temporary = f"{path}.{os.getpid()}.tmp"
     with open(temporary, "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
     os.replace(temporary, path)
 
 
@@ -614,6 +659,8 @@ def _resume_point(out: str, record: Mapping[str, Any]) -> int:
 
 
 def _length(longest: int, max_length: int | None) -> int:
+    if longest == 0:
+        raise ShardFormatError("the shard's rows hold no ids: nothing to convert")
     if max_length is None:
         return longest
     if longest > max_length:

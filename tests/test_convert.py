@@ -56,6 +56,8 @@ def ragged_samples(n: int = 40) -> list[dict]:
                 "labels": ids[::-1],
                 "score": i / 4,
                 "label": i % 3,
+                "weights": [0.5] * len(ids),
+                "text": f"sample {i}",
             }
         )
     return samples
@@ -119,6 +121,9 @@ def test_ragged_round_trip(tmp_path, small, kind):
         assert item["token_type_ids"].tolist() == sample["token_type_ids"] + [0] * (9 - n)
         assert item["label"].item() == sample["label"] and item["label"].dtype == torch.int64
         assert item["score"].item() == pytest.approx(sample["score"])
+        assert item["weights"].tolist() == [0.5] * n + [0.0] * (9 - n)
+        assert item["weights"].dtype == torch.float32 and "text" not in item
+    assert shard.record["dropped_fields"] == ["text"]
 
 
 def test_max_length_and_dtypes(tmp_path, small):
@@ -218,6 +223,9 @@ def test_existing_output_and_resume_checks(tmp_path, small):
         ("badjson", "s.jsonl:2 is not JSON"),
         ("missing", "does not exist"),
         ("parquet", "is not a readable Parquet file"),
+        ("empty", "holds no rows: nothing to convert"),
+        ("floatids", "holds a list of numbers, not a list of integer ids"),
+        ("ragged", "rows of 1 to 3 ids are padded to 3, and no pad id is known: pass --pad-id"),
     ],
 )
 def test_bad_shards(tmp_path, small, make, message, capsys):
@@ -230,6 +238,9 @@ def test_bad_shards(tmp_path, small, make, message, capsys):
         "badjson": "s.jsonl",
         "missing": "s.npy",
         "parquet": "s.parquet",
+        "empty": "s.npy",
+        "floatids": "s.jsonl",
+        "ragged": "s.jsonl",
     }[make]
     if make == "float":
         np.save(tmp_path / path, np.zeros((4, 4)))
@@ -237,6 +248,12 @@ def test_bad_shards(tmp_path, small, make, message, capsys):
         (tmp_path / path).write_bytes(b"not a shard\n")
     elif make == "nokey":
         (tmp_path / path).write_text('{"ids": [1, 2]}\n')
+    elif make == "empty":
+        np.save(tmp_path / path, np.zeros((0, 4), dtype=np.int64))
+    elif make == "floatids":
+        (tmp_path / path).write_text('{"input_ids": [1, 2.5]}\n')
+    elif make == "ragged":
+        (tmp_path / path).write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [4]}\n')
     elif make == "badjson":
         (tmp_path / path).write_text('{"input_ids": [1, 2]}\n{"input_ids": [1,\n')
     assert main(["convert", table, str(tmp_path / path), str(tmp_path / "o.zarr")]) == 1
