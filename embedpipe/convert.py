@@ -775,10 +775,10 @@ class ConvertedShard(Dataset):
     def __len__(self) -> int:
         return int(self.record["num_rows"])
 
-    def _open(self) -> dict[str, Any]:
+    def _open(self) -> dict[str, ChunkRows]:
         if self._arrays is None or self._pid != os.getpid():
             group = zarr.open_group(self.path, mode="r")
-            self._arrays = {name: group[name] for name in self.names}
+            self._arrays = {name: ChunkRows(self.path, name, group[name]) for name in self.names}
             self._pid = os.getpid()
         return self._arrays
 
@@ -787,7 +787,7 @@ class ConvertedShard(Dataset):
             raise IndexError(f"row {index} is outside the {len(self)} rows of {self.path}")
         index = int(index) % len(self)
         arrays = self._open()
-        item = {name: torch.from_numpy(np.asarray(a[index])) for name, a in arrays.items()}
+        item = {name: torch.from_numpy(a.read(index)) for name, a in arrays.items()}
         if self.record["dtype"] == "bfloat16":
             item["inputs_embeds"] = item["inputs_embeds"].view(torch.bfloat16)
         return item
@@ -798,3 +798,55 @@ class ConvertedShard(Dataset):
     def __repr__(self) -> str:
         r = self.record
         return f"ConvertedShard({self.path!r}, [{r['num_rows']}, {r['length']}, {r['dim']}] {r['dtype']})"
+
+
+class ChunkRows:
+    """One row of an uncompressed array convert wrote, read straight from its chunk file.
+
+    NOTE [ Reading one row ]
+    Arrays are chunked by the batch size along N, so a chunk of ``inputs_embeds`` holds a whole
+    batch (64 x 512 x 768 float32 is 96 MiB); zarr reads the whole chunk for one row. A chunk
+    file of an array with only the ``bytes`` codec is its C-ordered little-endian values, edge
+    chunks at full size, so row ``i`` is ``row_bytes`` at offset ``(i % chunk) * row_bytes`` of
+    file ``c/<i // chunk>/0/0``: one ``pread``. A chunk zarr never wrote (every value the fill
+    value 0: zarr skips empty chunks) reads as zeros. Other layouts go through zarr.
+    """
+
+    def __init__(self, folder: str, name: str, array: Any) -> None:
+        self.array = array
+        self.chunk = array.chunks[0]
+        self.shape = tuple(array.shape[1:])
+        self.dtype = np.dtype(array.dtype).newbyteorder("<")
+        self.row_bytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.raw = _is_raw(array)
+        self.files = os.path.join(folder, name, "c")
+        self.tail = "/0" * len(self.shape)
+
+    def read(self, index: int) -> np.ndarray:
+        if not self.raw:
+            return np.asarray(self.array[index])
+        chunk, offset = divmod(index, self.chunk)
+        row = np.empty(self.shape, self.dtype)
+        try:
+            with open(f"{self.files}/{chunk}{self.tail}", "rb", buffering=0) as f:
+                got = os.preadv(
+                    f.fileno(), [row.reshape(-1).view(np.uint8)], offset * self.row_bytes
+                )
+        except FileNotFoundError:
+            row[...] = 0
+            got = self.row_bytes
+        if got != self.row_bytes:
+            raise OSError(f"{self.files}/{chunk}{self.tail} is truncated; convert the shard again")
+        return row.astype(self.dtype.newbyteorder("="), copy=False)
+
+
+def _is_raw(array: Any) -> bool:
+    """An array of the layout :class:`ChunkRows` reads: bytes codec only, "/" chunk keys."""
+    meta = array.metadata.to_dict()
+    codecs = [c.get("name") for c in meta.get("codecs", [])]
+    encoding = meta.get("chunk_key_encoding", {})
+    return (
+        codecs == ["bytes"]
+        and encoding.get("name") == "default"
+        and encoding.get("configuration", {}).get("separator", "/") == "/"
+    )
