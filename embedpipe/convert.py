@@ -505,7 +505,7 @@ def _fill(
     from .pipe import EmbeddingPipe
 
     group = zarr.open_group(out, mode="r+")
-    arrays = {name: group[name] for name in _array_names(record)}
+    arrays = {name: ChunkRows(out, name, group[name]) for name in _array_names(record)}
     n, length, batch_size = record["num_rows"], record["length"], record["batch_size"]
     collate = FixedLengthCollate(
         length,
@@ -542,9 +542,9 @@ def _fill(
                             token_type_ids=batch.get("token_type_ids"),
                         )
                 stop = done + len(embeds)
-                arrays["inputs_embeds"][done:stop] = _stored(embeds, record["dtype"])
+                arrays["inputs_embeds"].write(done, _stored(embeds, record["dtype"]))
                 for name in _array_names(record)[1:]:
-                    arrays[name][done:stop] = batch[name].numpy()
+                    arrays[name].write(done, batch[name].numpy())
                 done = stop
                 _update_record(out, rows_done=done)
                 bar.update(len(embeds) * length)
@@ -801,7 +801,8 @@ class ConvertedShard(Dataset):
 
 
 class ChunkRows:
-    """One row of an uncompressed array convert wrote, read straight from its chunk file.
+    """Rows of an uncompressed array convert writes: a batch written as its chunk file, a row
+    read straight from its chunk file.
 
     NOTE [ Reading one row ]
     Arrays are chunked by the batch size along N, so a chunk of ``inputs_embeds`` holds a whole
@@ -810,6 +811,11 @@ class ChunkRows:
     chunks at full size, so row ``i`` is ``row_bytes`` at offset ``(i % chunk) * row_bytes`` of
     file ``c/<i // chunk>/0/0``: one ``pread``. A chunk zarr never wrote (every value the fill
     value 0: zarr skips empty chunks) reads as zeros. Other layouts go through zarr.
+
+    Writes take the same shortcut: a batch starts at a chunk boundary and fills the chunk (the
+    last one is padded with the fill value, as zarr stores edge chunks), so it is written as
+    the chunk file's bytes, without zarr's codec pipeline and event loop (2.5x faster at 25 MiB
+    chunks). A write cut short leaves a short file, which a resume writes again.
     """
 
     def __init__(self, folder: str, name: str, array: Any) -> None:
@@ -821,6 +827,27 @@ class ChunkRows:
         self.raw = _is_raw(array)
         self.files = os.path.join(folder, name, "c")
         self.tail = "/0" * len(self.shape)
+
+    def write(self, start: int, rows: np.ndarray) -> None:
+        """Rows ``start:start + len(rows)``, ``start`` a chunk boundary, ``rows`` a whole chunk
+        or the last one."""
+        if not self.raw:
+            self.array[start : start + len(rows)] = rows
+            return
+        chunk = start // self.chunk
+        if start % self.chunk or (
+            len(rows) != self.chunk and start + len(rows) != self.array.shape[0]
+        ):
+            raise ValueError(f"rows {start}:{start + len(rows)} are not chunk {chunk}")
+        if len(rows) == self.chunk:
+            data = np.ascontiguousarray(rows, self.dtype)
+        else:
+            data = np.zeros((self.chunk, *self.shape), self.dtype)
+            data[: len(rows)] = rows
+        path = f"{self.files}/{chunk}{self.tail}"
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(memoryview(data).cast("B"))
 
     def read(self, index: int) -> np.ndarray:
         if not self.raw:
