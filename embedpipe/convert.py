@@ -61,6 +61,7 @@ DTYPES = ("float32", "float16", "bfloat16", "float64")
 #: Options recorded in the group that must match for ``resume=True`` to continue it.
 RESUME_KEYS = (
     "source",
+    "source_stat",
     "table",
     "table_fingerprint",
     "ids_key",
@@ -251,11 +252,25 @@ class ArrowShard(Dataset):
                 longest = max(longest, int(pc.max(lengths).as_py() or 0))
                 least = int(pc.min(lengths).as_py() or 0)
                 shortest = least if shortest is None else min(shortest, least)
-        kinds: dict[str, str] = {}
-        longest = max(longest, _merge_kinds(kinds, self[0], f"{self.path} row 0"))
+        schema = source.schema_arrow if hasattr(source, "read_row_group") else source.data.schema
+        kinds = {field.name: _arrow_kind(field.type) for field in schema}
         if kinds[self.ids_key] not in LIST_KINDS:
             raise ShardFormatError(f"{self.path}: column {self.ids_key!r} is not a list of ids")
         return longest, shortest or 0, kinds
+
+
+def _arrow_kind(kind: Any) -> str:
+    """:func:`_kind` of an Arrow column type (every row of a column has it)."""
+    import pyarrow as pa
+
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        inner = _arrow_kind(kind.value_type)
+        return {"int": "ints", "float": "floats"}.get(inner, "other")
+    if pa.types.is_integer(kind) or pa.types.is_boolean(kind):
+        return "int"
+    if pa.types.is_floating(kind):
+        return "float"
+    return "other"
 
 
 def open_shard(path: str | os.PathLike[str], ids_key: str = "input_ids") -> Dataset:
@@ -454,6 +469,7 @@ def convert(
         record = {
             "format_version": FORMAT_VERSION,
             "source": os.path.abspath(os.path.expanduser(shard)),
+            "source_stat": _stat(shard),
             "table": tbl.path,
             "table_step": tbl.step,
             "table_fingerprint": fingerprint(tbl),
@@ -656,6 +672,16 @@ def _resume_point(out: str, record: Mapping[str, Any]) -> int:
                 "choose a new output path"
             )
     return int(found.get("rows_done", 0))
+
+
+def _stat(path: Any) -> list[int]:
+    """Size and modification time of a shard (of its newest file, for a folder): a shard
+    rewritten since a conversion began is not resumed."""
+    path = os.path.expanduser(path)
+    stats = [os.stat(path)]
+    if os.path.isdir(path):
+        stats += [e.stat() for e in os.scandir(path) if e.is_file()]
+    return [sum(s.st_size for s in stats), max(s.st_mtime_ns for s in stats)]
 
 
 def _length(longest: int, max_length: int | None) -> int:

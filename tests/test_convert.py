@@ -216,6 +216,9 @@ def test_existing_output_and_resume_checks(tmp_path, small):
         convert(table, tmp_path / "u.npy", out, workers=0, batch_size=4, resume=True)
     with pytest.raises(ConversionExistsError, match="batch_size=4"):
         convert(table, tmp_path / "s.npy", out, workers=0, batch_size=8, resume=True)
+    np.save(tmp_path / "s.npy", np.arange(40).reshape(10, 4) + 1)  # the shard rewritten
+    with pytest.raises(ConversionExistsError, match="source_stat="):
+        convert(table, tmp_path / "s.npy", out, workers=0, batch_size=4, resume=True)
 
 
 @pytest.mark.parametrize(
