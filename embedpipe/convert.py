@@ -447,52 +447,20 @@ def convert(
     """
     out = os.path.abspath(os.path.expanduser(out))
     _check_convert_options(dtype, max_length, batch_size, workers, cache_rows)
+    if os.path.lexists(out) and not resume:  # before the shard's pass, which can take long
+        raise _exists(out)
     reader = open_shard(shard, ids_key)
     created = False
     with Table.open(table, "r") as tbl:
-        pad_id = tbl.metadata.get("padding_idx") if pad_id is None else pad_id
-        longest, shortest, kinds = reader.scan()
-        length = _length(longest, max_length)
-        if pad_id is not None and not 0 <= pad_id < tbl.num_rows:
-            raise ValueError(f"pad id {pad_id} is outside the table's 0..{tbl.num_rows - 1}")
-        if pad_id is None and shortest < length:
-            raise ShardFormatError(
-                f"rows of {shortest} to {longest} ids are padded to {length}, and no pad id is "
-                f"known: pass --pad-id (the table {tbl.path} records no padding_idx)"
-            )
-        if kinds[ids_key] != "ints":
-            raise ShardFormatError(
-                f"{shard}: the {ids_key!r} field holds {_KIND_NAMES[kinds[ids_key]]}, not a "
-                "list of integer ids"
-            )
-        block = _embedding_block(full_embedding_block, tbl.dim, length)
-        record = {
-            "format_version": FORMAT_VERSION,
-            "source": os.path.abspath(os.path.expanduser(shard)),
-            "source_stat": _stat(shard),
-            "table": tbl.path,
-            "table_step": tbl.step,
-            "table_fingerprint": fingerprint(tbl),
-            "ids_key": ids_key,
-            "num_rows": len(reader),
-            "length": length,
-            "dim": tbl.dim,
-            "dtype": dtype or tbl.dtype.name,
-            "batch_size": batch_size,
-            "pad_id": pad_id,
-            "full_embedding_block": (
-                os.path.abspath(full_embedding_block) if full_embedding_block else None
-            ),
-            "fields": {k: v for k, v in kinds.items() if k != ids_key and v != "other"},
-            "dropped_fields": sorted(k for k, v in kinds.items() if v == "other"),
-        }
+        record = _plan(tbl, reader, shard, ids_key, dtype, max_length, pad_id, batch_size)
+        block = _embedding_block(full_embedding_block, tbl.dim, record["length"])
+        record["full_embedding_block"] = (
+            os.path.abspath(full_embedding_block) if full_embedding_block else None
+        )
         start = _resume_point(out, record) if resume and os.path.exists(out) else None
         if start is None:
             if os.path.lexists(out):
-                raise ConversionExistsError(
-                    f"{out} already exists; choose a new output path, delete it, or pass "
-                    "--resume to continue a half-done conversion of the same shard and table"
-                )
+                raise _exists(out)
             created = True
             start = 0
         try:
@@ -504,6 +472,59 @@ def convert(
                 shutil.rmtree(out, ignore_errors=True)  # nothing written: leave nothing behind
             raise
     return out
+
+
+def _plan(
+    table: Table,
+    reader: Any,
+    shard: Any,
+    ids_key: str,
+    dtype: str | None,
+    max_length: int | None,
+    pad_id: int | None,
+    batch_size: int,
+) -> dict[str, Any]:
+    """The conversion's record (NOTE [ A conversion is complete only when it says so ]), after
+    checking the shard's rows can be padded and its ids are integers."""
+    pad_id = table.metadata.get("padding_idx") if pad_id is None else pad_id
+    longest, shortest, kinds = reader.scan()
+    length = _length(longest, max_length)
+    if pad_id is not None and not 0 <= pad_id < table.num_rows:
+        raise ValueError(f"pad id {pad_id} is outside the table's 0..{table.num_rows - 1}")
+    if pad_id is None and shortest < length:
+        raise ShardFormatError(
+            f"rows of {shortest} to {longest} ids are padded to {length}, and no pad id is "
+            f"known: pass --pad-id (the table {table.path} records no padding_idx)"
+        )
+    if kinds[ids_key] != "ints":
+        raise ShardFormatError(
+            f"{shard}: the {ids_key!r} field holds {_KIND_NAMES[kinds[ids_key]]}, not a "
+            "list of integer ids"
+        )
+    return {
+        "format_version": FORMAT_VERSION,
+        "source": os.path.abspath(os.path.expanduser(shard)),
+        "source_stat": _stat(shard),
+        "table": table.path,
+        "table_step": table.step,
+        "table_fingerprint": fingerprint(table),
+        "ids_key": ids_key,
+        "num_rows": len(reader),
+        "length": length,
+        "dim": table.dim,
+        "dtype": dtype or table.dtype.name,
+        "batch_size": batch_size,
+        "pad_id": pad_id,
+        "fields": {k: v for k, v in kinds.items() if k != ids_key and v != "other"},
+        "dropped_fields": sorted(k for k, v in kinds.items() if v == "other"),
+    }
+
+
+def _exists(out: str) -> ConversionExistsError:
+    return ConversionExistsError(
+        f"{out} already exists; choose a new output path, delete it, or pass "
+        "--resume to continue a half-done conversion of the same shard and table"
+    )
 
 
 def _fill(
