@@ -18,13 +18,17 @@ A batch goes through three moments, and frameworks separate them freely:
    ``pipe.loader`` or, from a loader a framework rebuilt (Accelerate, Trainer's resume), at the
    first ``.to(device)`` or read of the rows: the rows are copied out of the ring and brought up
    to the steps applied so far (``Owner.hand_off``);
-3. *read*: the first ``batch["inputs_embeds"]``. Here the rows are made final: the steps
-   submitted since the claim (an optimizer step that ran while the batch waited one ahead in a
-   prefetcher) are applied and the rows they changed are re-read (``Owner.refresh``).
+3. *read*: each ``batch["inputs_embeds"]`` (or ``batch.rows``). Here the rows are made final:
+   the steps submitted since the claim (an optimizer step that ran while the batch waited one
+   ahead in a prefetcher) are applied and the rows they changed are re-read
+   (``Owner.refresh``); after ``pipe.load_checkpoint`` every row is.
 
 So whatever a framework fetches ahead, the model sees the rows an ``nn.Embedding`` would give it
 at that moment. A read after a later step (evaluating the same batch after training on it) is
-made final again, as ``embedding(ids)`` would be.
+made final again, as ``embedding(ids)`` would be. Iterating a batch yields the collated fields
+only, so copying it field by field never reads the rows early. Each read makes a new
+``(B, L, D)`` tensor from one leaf per version of the rows, so two forward passes over one batch
+(R-Drop) are two graphs whose gradients add up, as with ``nn.Embedding``.
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ class _GradHook:
 
     def __init__(self, unique_ids: torch.Tensor, owner: Owner) -> None:
         self.unique_ids = unique_ids
-        self.owner = owner
+        self.owner = owner  # each backward pass that reaches the leaf calls this once
 
     def __call__(self, rows: torch.Tensor) -> None:
         grad, rows.grad = rows.grad, None
@@ -86,6 +90,9 @@ class _GradHook:
 class EmbeddedBatch(Mapping[str, Any]):
     """The collated fields plus ``inputs_embeds``; ``.to(device)`` moves the (U, D) rows, not (B, L, D).
 
+    ``batch["inputs_embeds"]`` is read by key; iterating, ``len`` and ``dict(batch)`` see the
+    collated fields only (see the NOTE).
+
     Attributes ``unique_ids`` (U,), ``inverse`` (shaped like the ids) and ``rows`` (U, D) are
     there for code that wants the compact form (e.g. a custom embedding layer). See the NOTE for
     when the rows are final.
@@ -94,21 +101,29 @@ class EmbeddedBatch(Mapping[str, Any]):
     def __init__(
         self,
         fields: Mapping[str, Any],
-        unique_ids: torch.Tensor,
-        inverse: torch.Tensor,
-        rows: torch.Tensor,
+        unique_ids: torch.Tensor | None = None,
+        inverse: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
         owner: Owner | None = None,
         *,
         step: int = 0,
         tick: int = 0,
+        generation: int = 0,
     ) -> None:
+        if unique_ids is None or inverse is None or rows is None:
+            raise TypeError(
+                "an EmbeddedBatch cannot be rebuilt from its fields (Accelerate's "
+                "DataLoaderDispatcher does this for iterable datasets): make it with pipe.loader "
+                "and move it with .to(device); with Accelerate, pass "
+                "DataLoaderConfiguration(dispatch_batches=False) or use a map-style dataset"
+            )
         if INPUTS_EMBEDS in fields:
             raise KeyError(f"the collated batch already has a field {INPUTS_EMBEDS!r}; rename it")
         self.fields = fields
         self._item: LookedUp | None = None  # set while unclaimed
         self._source = ""
         self._pin = False
-        self._claimed(unique_ids, inverse, rows, owner, step, tick)
+        self._claimed(unique_ids, inverse, rows, owner, step, tick, generation)
 
     def _claimed(
         self,
@@ -118,13 +133,15 @@ class EmbeddedBatch(Mapping[str, Any]):
         owner: Owner | None,
         step: int,
         tick: int,
+        generation: int,
     ) -> None:
         self._unique_ids, self._inverse, self._rows = unique_ids, inverse, rows
         self._owner = owner
         self.step = step  # the rows hold every update of the table's steps up to this one
-        self.tick = tick  # the same moment on the owner's cache clock
-        self._embeds: torch.Tensor | None = None
-        self._embeds_step = -1
+        self.tick = tick  # the same moment on the owner's cache clock (never goes back)
+        self.generation = generation  # the owner's count of loaded snapshots at that moment
+        self._leaf: torch.Tensor | None = None  # the rows as the gradient's leaf, at _leaf_tick
+        self._leaf_tick = -1
 
     @classmethod
     def _looked_up(cls, item: LookedUp, source: str) -> EmbeddedBatch:
@@ -161,6 +178,7 @@ class EmbeddedBatch(Mapping[str, Any]):
             claimed._owner,
             claimed.step,
             claimed.tick,
+            claimed.generation,
         )
         return self
 
@@ -174,44 +192,52 @@ class EmbeddedBatch(Mapping[str, Any]):
 
     @property
     def rows(self) -> torch.Tensor:
-        """The unique rows, final (the NOTE's third moment)."""
+        """The unique rows (U, D), final (the NOTE's third moment). While the table trains (and
+        grad is enabled), the leaf the gradient flows back to: a custom embedding layer may use
+        ``F.embedding(batch.inverse, batch.rows)`` as ``inputs_embeds`` does."""
         self._claim()._finalize()
-        return self._rows
+        owner = self._owner
+        if owner is None or not owner.trains_now or not torch.is_grad_enabled():
+            return self._rows
+        if self._leaf is None or self._leaf_tick != self.tick:  # new rows, a new leaf
+            rows = self._rows
+            if rows.is_inference():  # refreshed under torch.inference_mode(): a normal copy
+                with torch.inference_mode(False):
+                    rows = rows.clone()
+            self._leaf = rows.detach().requires_grad_()
+            self._leaf.register_post_accumulate_grad_hook(_GradHook(self._unique_ids, owner))
+            self._leaf_tick = self.tick
+        return self._leaf
 
     def _finalize(self) -> None:
         if self._owner is not None:
             self._owner.refresh(self)
 
     def _refreshed(
-        self, positions: torch.Tensor, fresh: torch.Tensor, step: int, tick: int
+        self, positions: torch.Tensor, fresh: torch.Tensor, step: int, tick: int, generation: int
     ) -> None:
         """Owner: the rows at ``positions`` changed since this batch's ``tick``; ``fresh`` holds them."""
         if len(positions):
             device = self._rows.device
             self._rows = self._rows.index_copy(0, positions.to(device), fresh.to(device))
-        self.step, self.tick = step, tick
+        self.step, self.tick, self.generation = step, tick, generation
 
     def __getitem__(self, key: str) -> Any:
         if key != INPUTS_EMBEDS:
             return self.fields[key]
-        rows = self.rows
-        if self._embeds is not None and self._embeds_step == self.step:
-            return self._embeds
-        owner = self._owner
-        if owner is None or not owner.trains or not torch.is_grad_enabled():
-            return F.embedding(self._inverse, rows)  # not kept: a later read may train
-        leaf = rows.detach().requires_grad_()
-        leaf.register_post_accumulate_grad_hook(_GradHook(self._unique_ids, owner))
-        self._embeds = F.embedding(self._inverse, leaf)  # (U, D) -> (B, L, D)
-        self._embeds_step = self.step
-        return self._embeds
+        return F.embedding(self.inverse, self.rows)  # (U, D) -> (B, L, D), a new graph each read
+
+    def __contains__(self, key: object) -> bool:
+        return key == INPUTS_EMBEDS or key in self.fields
 
     def __iter__(self) -> Iterator[str]:
+        """The collated fields only: ``inputs_embeds`` is read by its key, so code that copies a
+        batch field by field (``dict(batch)``, ``**batch``, a prefetcher) never reads the rows
+        before the model does."""
         yield from self.fields
-        yield INPUTS_EMBEDS
 
     def __len__(self) -> int:
-        return len(self.fields) + 1
+        return len(self.fields)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> EmbeddedBatch:
         """The batch on ``device``; ``inputs_embeds`` is then made there (and made final there)."""
@@ -224,6 +250,7 @@ class EmbeddedBatch(Mapping[str, Any]):
             self._owner,
             step=self.step,
             tick=self.tick,
+            generation=self.generation,
         )
 
     def pin_memory(self) -> EmbeddedBatch:

@@ -26,9 +26,12 @@ group that holds the parameter:
   makes): its ``lr`` is the table's, read at every step, so a scheduler sets it exactly as it
   sets the matching group of a torch ``Adagrad``;
 - a group shared with dense weights (``AdamW(model.parameters())``): the row optimizer's ``lr``
-  times the group's schedule factor, ``group["lr"] / group["initial_lr"]`` (``initial_lr`` is set
-  by every torch scheduler; without one the factor is 1);
-- in no optimizer (``pipe.step()``, or an optimizer without it): the row optimizer's ``lr``.
+  times the group's schedule factor, ``group["lr"] / group["initial_lr"]``. Schedulers built on
+  ``LRScheduler`` set ``initial_lr``; where none did (``ReduceLROnPlateau``, a hand-written
+  decay), the first step sets it to the group's ``lr`` then, so later changes scale the table;
+- in no optimizer (``pipe.step()``, or an optimizer without it): the row optimizer's ``lr``. A
+  step by an optimizer that does not hold the parameter warns once: its scheduler, a
+  ``GradScaler`` and its ``zero_grad`` cannot reach the table.
 
 Other hyperparameters of the group (AdamW's weight decay, betas, eps) do not apply to the table.
 """
@@ -194,7 +197,7 @@ class TableGradient:
             self._home = True
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if closure is None:
-            self._step_for(group)
+            self._step_for(group, optimizer)
             return None
         calls = 0
 
@@ -207,15 +210,25 @@ class TableGradient:
                     "table takes one gradient per step (optimizers such as LBFGS are not supported)"
                 )
             out = closure()
-            self._step_for(group)
+            self._step_for(group, optimizer)
             return out
 
         if len(args) > 1:
             return (args[0], closure_then_step, *args[2:]), kwargs
         return args, {**kwargs, "closure": closure_then_step}
 
-    def _step_for(self, group: dict[str, Any] | None) -> None:
+    def _step_for(self, group: dict[str, Any] | None, optimizer: torch.optim.Optimizer) -> None:
         if self.step(self._group_lr(group)) and group is None:
+            if not self._homeless_step:
+                warnings.warn(
+                    f"the embedding table stepped with a {type(optimizer).__name__} that does not "
+                    "hold pipe.parameter, at the row optimizer's own learning rate: that "
+                    "optimizer's scheduler, a GradScaler and its zero_grad() do not reach the "
+                    "table. Build the optimizer from model.parameters() after offload() (it then "
+                    "holds it), add pipe.parameter to it, or call pipe.step() yourself",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
             self._homeless_step = True
 
     def _group_lr(self, group: dict[str, Any] | None) -> float | None:
@@ -225,7 +238,7 @@ class TableGradient:
         lr = float(group["lr"])
         if len(group["params"]) == 1:
             return lr
-        initial = float(group.get("initial_lr", 0.0))
+        initial = float(group.setdefault("initial_lr", group["lr"]))  # see the NOTE
         return self.base_lr * (lr / initial) if initial else None
 
     def close(self) -> None:

@@ -45,14 +45,17 @@ class EmbeddingsOffloadedError(EmbedpipeError, RuntimeError, AttributeError):
     """
 
 
-#: The offloaded embedding modules alive in this process, by table path: a pipe on that table
-#: attaches its gradient parameter to them (``EmbeddingPipe.attach``).
-_OFFLOADED: dict[str, weakref.WeakSet[OffloadedEmbedding]] = {}
+#: The offloaded embedding modules of this process, by table path, oldest first: a pipe on that
+#: table adopts the newest one's gradient parameter and attaches it to all of them.
+_OFFLOADED: dict[str, list[weakref.ref[OffloadedEmbedding]]] = {}
 
 
 def offloaded_embeddings(path: str) -> list[OffloadedEmbedding]:
-    """The modules offloaded to the table at ``path`` in this process, still alive."""
-    return list(_OFFLOADED.get(os.path.realpath(path), ()))
+    """The modules offloaded to the table at ``path`` in this process and still alive, newest
+    first (a notebook cell run again offloads a new model over the same path)."""
+    refs = _OFFLOADED.get(os.path.realpath(path), [])
+    refs[:] = [r for r in refs if r() is not None]
+    return [m for m in (r() for r in reversed(refs)) if m is not None]
 
 
 class OffloadedEmbedding(nn.Module):
@@ -194,7 +197,7 @@ def offload(
     # the gradient parameter a pipe on this table will use: an optimizer built now holds it
     placeholder.attach(nn.Parameter(torch.empty(0, weight.shape[1], device=weight.device)))
     model.set_input_embeddings(placeholder)
-    _OFFLOADED.setdefault(os.path.realpath(table.path), weakref.WeakSet()).add(placeholder)
+    _OFFLOADED.setdefault(os.path.realpath(table.path), []).append(weakref.ref(placeholder))
     return table
 
 

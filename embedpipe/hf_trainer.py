@@ -70,6 +70,17 @@ class Trainer(transformers.Trainer):
             pipe.attach(model)
         if kwargs.get("data_collator") is None and kwargs.get("processing_class") is None:
             kwargs["data_collator"] = PadCollator(pipe.padding_idx, ids_key, hf_labels=True)
+        arguments = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(arguments, "neftune_noise_alpha", None) is not None:
+            raise ValueError(
+                "neftune_noise_alpha: NEFTune adds noise in the word embedding module's forward, "
+                "which an offloaded table never runs; train without it (or add the noise to "
+                "inputs_embeds in compute_loss)"
+            )
+        config = getattr(arguments, "accelerator_config", None)
+        if config is not None and getattr(config, "dispatch_batches", None) is None:
+            # one process: Accelerate would otherwise rebuild the batches of an iterable dataset
+            config.dispatch_batches = False
         self._checkpointing = False
         super().__init__(*args, **kwargs)
 
@@ -104,14 +115,16 @@ class Trainer(transformers.Trainer):
             self.pipe.attach(self.model)
         if self.optimizer is not None:
             return super().create_optimizer(model)
+        trains = parameter.requires_grad  # False: the user froze the word embeddings
         parameter.requires_grad_(False)  # Trainer groups only parameters that require grad
         try:
             optimizer = super().create_optimizer(model)
         finally:
-            parameter.requires_grad_(True)
-        optimizer.add_param_group(
-            {"params": [parameter], "lr": self.pipe.optimizer.lr, "weight_decay": 0.0}
-        )
+            parameter.requires_grad_(trains)
+        if trains:
+            optimizer.add_param_group(
+                {"params": [parameter], "lr": self.pipe.optimizer.lr, "weight_decay": 0.0}
+            )
         return optimizer
 
     # ----------------------------------------------------------------------------- checkpoints

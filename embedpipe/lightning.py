@@ -14,7 +14,7 @@ steps when Lightning's optimizer steps (after the closure that runs backward and
 
 The callback makes Lightning's checkpoints hold the table. Lightning writes a checkpoint as one
 file and does not tell its callbacks where, so each checkpoint's table is a snapshot of its own
-(hard links: only chunks changed since take space), in ``<dirpath>/embedpipe/step-<N>`` beside the
+(hard links: only chunks changed since take space), in ``<dirpath>/embedpipe/step-<N>-<id>`` beside the
 checkpoint files, and the checkpoint records its path. ``trainer.fit(ckpt_path=...)`` loads it
 back. Snapshots are kept when Lightning deletes a checkpoint (``save_top_k``): delete those of
 checkpoints you no longer need.
@@ -23,6 +23,7 @@ checkpoints you no longer need.
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Any
 
 import lightning
@@ -56,10 +57,12 @@ class PipeCallback(lightning.Callback):
     ) -> None:
         committed = self.pipe.checkpoint()
         root = getattr(trainer.checkpoint_callback, "dirpath", None) or trainer.default_root_dir
-        folder = os.path.abspath(os.path.join(root, "embedpipe", f"step-{committed.step}"))
-        if not os.path.exists(folder):  # the same step saved twice (last.ckpt) shares one
-            os.makedirs(os.path.dirname(folder), exist_ok=True)
-            snapshot(committed.path, folder)
+        # a name of its own for every save: a folder of an earlier run in the same directory
+        # is never taken for this one's (hard links: a second save of one step costs no copy)
+        name = f"step-{committed.step}-{uuid.uuid4().hex[:8]}"
+        folder = os.path.abspath(os.path.join(root, "embedpipe", name))
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        snapshot(committed.path, folder)
         checkpoint[CHECKPOINT_KEY] = {"snapshot": folder, "step": committed.step}
 
     def on_load_checkpoint(

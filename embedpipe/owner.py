@@ -81,12 +81,19 @@ class Owner:
         )
         self.counts = dict.fromkeys(("batches", "hits", "misses", "refreshed", "ring_overruns"), 0)
         self._step_in_progress: int | None = None  # for the messages of failed table writes
+        self.generation = 0  # snapshots loaded: step numbers restart, batches claimed before are stale
         self.closed = False
 
     # ------------------------------------------------------------------------- training loop
     @property
     def trains(self) -> bool:
         return self.optimizer is not None
+
+    @property
+    def trains_now(self) -> bool:
+        """The table takes gradients: it has an optimizer and its parameter requires grad
+        (``model.get_input_embeddings().requires_grad_(False)`` freezes it, as an embedding)."""
+        return self.gradient is not None and self.gradient.parameter.requires_grad
 
     def before_lookup(self) -> None:
         """Called before a lookup that runs in the training loop (``num_workers=0``): in exact
@@ -135,6 +142,7 @@ class Owner:
             self,
             step=step,
             tick=tick,
+            generation=self.generation,
         )
 
     def refresh(self, batch: EmbeddedBatch) -> None:
@@ -144,7 +152,7 @@ class Owner:
         if self.writeback is None:
             return
         behind = 0 if self.consistency == "exact" else self.max_staleness
-        if batch.step >= self.writeback.submitted - behind:
+        if batch.step >= self.writeback.submitted - behind and batch.generation == self.generation:
             return
         self.check_open()
         self._wait_for_steps()
@@ -160,6 +168,7 @@ class Owner:
             torch.from_numpy(fresh) if fresh is not None else torch.empty(0),
             step,
             tick,
+            self.generation,
         )
 
     def _wait_for_steps(self) -> None:
@@ -312,6 +321,7 @@ class Owner:
             if self.writeback is not None:
                 self.writeback.restart_at(source.step)
             self.shared.publish(self.cache.clock)
+            self.generation += 1
 
     # ------------------------------------------------------------------------- lifecycle
     def close(self, raise_errors: bool = True) -> None:

@@ -93,13 +93,16 @@ def test_batch_mapping_and_device_move(tmp_path):
         tmp_path / "t.zarr", cache_rows=30, optimizer=embedpipe.optim.SGD(lr=1)
     ) as pipe:
         batch = next(iter(pipe.loader(DATA, batch_size=4)))
-        assert list(batch) == ["input_ids", "attention_mask", "labels", "inputs_embeds"]
-        assert len(batch) == 4 and "inputs_embeds" in batch
+        # iteration yields the collated fields; inputs_embeds is read by key (batch.py's NOTE)
+        assert list(batch) == ["input_ids", "attention_mask", "labels"]
+        assert len(batch) == 3 and "inputs_embeds" in batch and "rows" not in batch
         moved = batch.to("cpu")
         embeds = moved["inputs_embeds"]  # (B, L, D) made from the (U, D) rows
         assert embeds.shape == (4, 16, 8) and embeds.requires_grad
         assert torch.equal(embeds.detach(), weight[batch["input_ids"]])
         assert len(batch.unique_ids) == len(np.unique(batch["input_ids"].numpy()))
-        assert moved["inputs_embeds"] is embeds  # made once
+        again = moved["inputs_embeds"]  # a new graph each read, from the same leaf of rows
+        assert again is not embeds and torch.equal(again, embeds)
+        assert again.grad_fn.next_functions[0][0].variable is moved.rows
         with torch.no_grad():
             assert not batch.to("cpu")["inputs_embeds"].requires_grad

@@ -1,0 +1,266 @@
+"""Patterns users write around the loop, each exact against nn.Embedding or loud.
+
+A toy model (mean of tanh(embeddings), then a linear layer) keeps these fast; the framework
+tests train a real BERT.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import embedpipe
+
+V, D = 60, 8
+ADAGRAD = dict(lr=0.05, initial_accumulator_value=0.1)
+
+
+class Toy(nn.Module):
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(V, D)
+        self.lin = nn.Linear(D, 2)
+
+    def get_input_embeddings(self):
+        return self.emb
+
+    def set_input_embeddings(self, module):
+        self.emb = module
+
+    def forward(self, input_ids=None, inputs_embeds=None):
+        x = self.emb(input_ids) if inputs_embeds is None else inputs_embeds
+        return self.lin(torch.tanh(x).mean(1))
+
+
+def samples(n: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    ids = np.minimum(rng.zipf(1.3, (n, 6)), V - 1).astype(np.int64)
+    return [
+        {"input_ids": torch.from_numpy(i), "labels": torch.tensor(k % 2)} for k, i in enumerate(ids)
+    ]
+
+
+def loss(model, batch, offloaded: bool) -> torch.Tensor:
+    x = (
+        {"inputs_embeds": batch["inputs_embeds"]}
+        if offloaded
+        else {"input_ids": batch["input_ids"]}
+    )
+    return nn.functional.cross_entropy(model(**x), batch["labels"])
+
+
+def reference_optimizer(model):
+    dense = torch.optim.AdamW(model.lin.parameters(), lr=1e-2)
+    adagrad = torch.optim.Adagrad([model.emb.weight], **ADAGRAD)
+    return dense, adagrad
+
+
+def offloaded(tmp_path, model, name="t.zarr"):
+    table = embedpipe.hf.offload(model, tmp_path / name, chunk_rows=16)
+    return embedpipe.EmbeddingPipe(
+        table, cache_rows=20, optimizer=embedpipe.optim.Adagrad(**ADAGRAD)
+    )
+
+
+def table(pipe) -> torch.Tensor:
+    return pipe.table.to_tensor()
+
+
+def test_frozen_word_embeddings_stay_frozen(tmp_path):
+    model = Toy()
+    before = model.emb.weight.detach().clone()
+    with offloaded(tmp_path, model) as pipe:
+        model.get_input_embeddings().requires_grad_(False)  # as one freezes an nn.Embedding
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for batch in pipe.loader(samples(8), batch_size=4):
+            loss(model, batch, True).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert torch.equal(table(pipe), before)
+
+
+def test_a_batch_held_across_load_checkpoint_gets_the_loaded_rows(tmp_path):
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        held = next(iter(pipe.loader(samples(4), batch_size=4)))
+        for k, batch in enumerate(pipe.loader(samples(24), batch_size=4)):
+            loss(model, batch, True).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if k == 1:
+                pipe.save_checkpoint(tmp_path / "snap")
+        with torch.no_grad():
+            held["inputs_embeds"]  # made final at step 6
+        pipe.load_checkpoint(tmp_path / "snap")  # back to step 2: step numbers go back too
+        with torch.no_grad():
+            assert torch.equal(held["inputs_embeds"], table(pipe)[held["input_ids"]])
+
+
+@pytest.mark.parametrize("rule", ["plateau", "by hand"])
+def test_a_learning_rate_changed_without_a_scheduler_base_reaches_the_table(tmp_path, rule):
+    def run(model, optimizer, batches, offloaded):
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+        for batch in batches:
+            loss(model, batch, offloaded).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if rule == "plateau":
+                plateau.step(1.0)  # never improves: halves the rate every step
+            else:
+                for group in optimizer.param_groups:
+                    group["lr"] *= 0.5
+
+    reference = Toy()
+    dense, adagrad = reference_optimizer(reference)
+    data = samples(16)
+
+    class Shared(torch.optim.Optimizer):
+        """AdamW on the dense part and Adagrad on the table, scaled by one group's lr factor:
+        what the table's rate in a group shared with dense weights is."""
+
+        def __init__(self):
+            params = [*reference.lin.parameters(), reference.emb.weight]
+            super().__init__([{"params": params}], {"lr": 1e-2})
+
+        def step(self, closure=None):
+            factor = self.param_groups[0]["lr"] / 1e-2
+            dense.param_groups[0]["lr"] = 1e-2 * factor
+            adagrad.param_groups[0]["lr"] = ADAGRAD["lr"] * factor
+            dense.step()
+            adagrad.step()
+
+    run(reference, Shared(), torch.utils.data.DataLoader(data, batch_size=4), False)
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # one shared group
+        run(model, optimizer, pipe.loader(data, batch_size=4), True)
+        assert torch.allclose(table(pipe), reference.emb.weight.detach(), rtol=0, atol=1e-7)
+
+
+def test_an_optimizer_without_the_table_warns_once_that_its_schedule_cannot_reach_it(tmp_path):
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        dense = torch.optim.AdamW(model.lin.parameters(), lr=1e-2)  # not pipe.parameter
+        batches = iter(pipe.loader(samples(8), batch_size=4))
+        loss(model, next(batches), True).backward()
+        with pytest.warns(RuntimeWarning, match="does not hold pipe.parameter"):
+            dense.step()
+        loss(model, next(batches), True).backward()
+        dense.step()  # once is enough
+        assert pipe._owner.writeback.submitted == 2
+
+
+def test_offloading_again_over_the_same_path_trains_the_new_model(tmp_path):
+    first = Toy()
+    embedpipe.hf.offload(first, tmp_path / "t.zarr", chunk_rows=16).close()
+    second = Toy()
+    table = embedpipe.hf.offload(second, tmp_path / "t.zarr", chunk_rows=16, overwrite=True)
+    optimizer = torch.optim.AdamW(second.parameters())  # built before the pipe
+    with (
+        table,
+        embedpipe.EmbeddingPipe(table, cache_rows=5, optimizer=embedpipe.optim.SGD(lr=1)) as pipe,
+    ):
+        assert any(p is pipe.parameter for p in second.parameters())
+        assert any(p is pipe.parameter for g in optimizer.param_groups for p in g["params"])
+
+
+def test_two_forward_passes_over_one_batch_add_up_as_with_nn_embedding(tmp_path):
+    reference = Toy()
+    dense, adagrad = reference_optimizer(reference)
+    data = samples(8)
+    for batch in torch.utils.data.DataLoader(data, batch_size=4):
+        (loss(reference, batch, False) + loss(reference, batch, False)).backward()
+        loss(reference, batch, False).backward()  # a second graph over the same batch
+        dense.step()
+        adagrad.step()
+        dense.zero_grad()
+        adagrad.zero_grad()
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        optimizer = torch.optim.AdamW(
+            [{"params": model.lin.parameters()}, {"params": [pipe.parameter], "lr": ADAGRAD["lr"]}],
+            lr=1e-2,
+        )
+        for batch in pipe.loader(data, batch_size=4):
+            (loss(model, batch, True) + loss(model, batch, True)).backward()
+            loss(model, batch, True).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert torch.equal(table(pipe), reference.emb.weight.detach())
+
+
+def test_the_compact_rows_train_a_custom_embedding_layer(tmp_path):
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        before = table(pipe)
+        batch = next(iter(pipe.loader(samples(4), batch_size=4)))
+        embeds = nn.functional.embedding(batch.inverse, batch.rows)  # the compact form
+        nn.functional.cross_entropy(model(inputs_embeds=embeds), batch["labels"]).backward()
+        assert pipe.step()
+        assert not torch.equal(table(pipe), before)
+
+
+def test_copying_a_batch_field_by_field_never_reads_the_rows_early(tmp_path):
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        batch = next(iter(pipe.loader(samples(4), batch_size=4)))
+        copied = {k: v for k, v in batch.items()}  # what a prefetcher does
+        assert set(copied) == {"input_ids", "labels"} and "inputs_embeds" in batch
+        assert batch._leaf is None  # nothing was read
+
+
+def test_rows_refreshed_under_inference_mode_can_be_trained_on(tmp_path):
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        batches = iter(pipe.loader(samples(8), batch_size=4))
+        first, ahead = next(batches), next(batches)
+        loss(model, first, True).backward()
+        optimizer.step()
+        with torch.inference_mode():
+            model(inputs_embeds=ahead["inputs_embeds"])  # refreshed in inference mode
+        loss(model, ahead, True).backward()
+        optimizer.step()
+
+
+def test_hf_trainer_refuses_neftune(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from .frameworks import bert
+    from .frameworks import offloaded as bert_offloaded
+
+    model = bert()
+    with bert_offloaded(model, tmp_path / "b.zarr") as pipe:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "o"), neftune_noise_alpha=5.0, report_to=[], use_cpu=True
+        )
+        with pytest.raises(ValueError, match="NEFTune"):
+            embedpipe.hf.Trainer(model=model, args=args, train_dataset=samples(4), pipe=pipe)
+
+
+def test_hf_trainer_trains_on_an_iterable_dataset(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from .frameworks import bert
+    from .frameworks import offloaded as bert_offloaded
+    from .frameworks import samples as bert_samples
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(bert_samples(16))
+
+    model = bert()
+    with bert_offloaded(model, tmp_path / "b.zarr") as pipe:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "o"),
+            per_device_train_batch_size=4,
+            max_steps=3,
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
+        )
+        embedpipe.hf.Trainer(model=model, args=args, train_dataset=Stream(), pipe=pipe).train()
+        pipe.flush()
+        assert pipe.table.step == 3
