@@ -568,6 +568,7 @@ def _fill(
             num_workers=workers,
             collate_fn=collate,
             ids_key=record["ids_key"],
+            ring_rows=min(table.num_rows, batch_size * length),  # a batch's rows, any ids
         )
         try:
             for batch in loader:
