@@ -773,7 +773,8 @@ def fingerprint(table: Table) -> str:
 class ConvertedShard(Dataset):
     """A map-style Dataset over a conversion made by :func:`convert`: item ``i`` is a dict of
     tensors, ``inputs_embeds`` (L, D), ``attention_mask`` (L,) and the copied fields, read
-    lazily from the zarr group (each process opens its own handles).
+    lazily, one ``pread`` per array (NOTE [ Reading one row ]); each process opens its own
+    handles, so DataLoader workers can share it.
 
     Raises :class:`~embedpipe.errors.IncompleteConversionError` for a conversion that never
     finished; warns (``UserWarning``) when the table it was made from has changed since.
@@ -786,6 +787,11 @@ class ConvertedShard(Dataset):
         record = _read_record(self.path)
         if not record:
             raise ShardFormatError(f"{self.path} is not an embedpipe conversion (no {ATTRIBUTE})")
+        if record.get("format_version", 0) > FORMAT_VERSION:
+            raise ShardFormatError(
+                f"{self.path} is a conversion of format {record['format_version']}; this "
+                f"embedpipe reads format {FORMAT_VERSION}: upgrade embedpipe"
+            )
         if not record.get("complete"):
             raise IncompleteConversionError(
                 f"{self.path} is an incomplete conversion ({record.get('rows_done', 0)} of "
@@ -862,8 +868,8 @@ class ChunkRows:
 
     Writes take the same shortcut: a batch starts at a chunk boundary and fills the chunk (the
     last one is padded with the fill value, as zarr stores edge chunks), so it is written as
-    the chunk file's bytes, without zarr's codec pipeline and event loop (2.5x faster at 25 MiB
-    chunks). A write cut short leaves a short file, which a resume writes again.
+    the chunk file's bytes, without zarr's codec pipeline and event loop (zarr's API took 1.3x
+    as long for 25 MiB chunks). A write cut short leaves a short file, which a resume writes again.
     """
 
     def __init__(self, folder: str, name: str, array: Any) -> None:
