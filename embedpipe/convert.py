@@ -6,8 +6,8 @@ Parquet file, or a ``datasets`` folder saved with ``save_to_disk``), looks every
 table reads as training) and writes a zarr v3 group: ``inputs_embeds`` [N, L, D],
 ``attention_mask`` [N, L] and the shard's other numeric fields (numbers, [N]; lists of numbers,
 padded to [N, L]; fields of text are left out and listed as ``dropped_fields``).
-:class:`ConvertedShard` is a map-style
-Dataset over that group. ``docs/convert.md`` describes the format and how to train on it.
+:class:`ConvertedShard` is a map-style Dataset over that group. ``docs/convert.md`` describes
+the format and how to train on it.
 
 NOTE [ A conversion is complete only when it says so ]
 The group's ``zarr.json`` carries ``attributes["embedpipe_convert"]``: the options, the source,
