@@ -94,3 +94,23 @@ def dense_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def train_briefly(tmp_path, dataset, steps: int) -> int:
+    """``steps`` steps of embedpipe.hf.Trainer (batches of 4) on a fresh tiny BERT offloaded to
+    ``tmp_path``; returns the table's step after them."""
+    from transformers import TrainingArguments
+
+    model = bert()
+    with offloaded(model, tmp_path / "brief.zarr") as pipe:
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"),
+            per_device_train_batch_size=4,
+            max_steps=steps,
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
+        )
+        embedpipe.hf.Trainer(model=model, args=args, train_dataset=dataset, pipe=pipe).train()
+        pipe.flush()
+        return pipe.table.step

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import embedpipe
 from embedpipe.collate import PadCollator
 
-from .frameworks import bert, offloaded
+from .frameworks import bert, offloaded, train_briefly
 
 
 def ragged(n: int = 6) -> list[dict]:
@@ -67,21 +66,9 @@ def test_a_hugging_face_dataset_goes_through_the_loader_padded_with_the_models_p
 
 
 def test_hf_trainer_trains_on_a_ragged_dataset_with_no_collator(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     datasets = pytest.importorskip("datasets")
     dataset = datasets.Dataset.from_list(
         [{k: v for k, v in s.items() if k != "text"} for s in ragged(8)]
     )
-    model = bert()
-    with offloaded(model, tmp_path / "t.zarr") as pipe:
-        args = transformers.TrainingArguments(
-            output_dir=str(tmp_path / "out"),
-            per_device_train_batch_size=4,
-            max_steps=2,
-            report_to=[],
-            use_cpu=True,
-            disable_tqdm=True,
-        )
-        embedpipe.hf.Trainer(model=model, args=args, train_dataset=dataset, pipe=pipe).train()
-        pipe.flush()
-        assert pipe.table.step == 2
+    assert train_briefly(tmp_path, dataset, steps=2) == 2

@@ -242,25 +242,12 @@ def test_hf_trainer_refuses_neftune(tmp_path):
 
 
 def test_hf_trainer_trains_on_an_iterable_dataset(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    from .frameworks import bert
-    from .frameworks import offloaded as bert_offloaded
+    pytest.importorskip("transformers")
     from .frameworks import samples as bert_samples
+    from .frameworks import train_briefly
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
             return iter(bert_samples(16))
 
-    model = bert()
-    with bert_offloaded(model, tmp_path / "b.zarr") as pipe:
-        args = transformers.TrainingArguments(
-            output_dir=str(tmp_path / "o"),
-            per_device_train_batch_size=4,
-            max_steps=3,
-            report_to=[],
-            use_cpu=True,
-            disable_tqdm=True,
-        )
-        embedpipe.hf.Trainer(model=model, args=args, train_dataset=Stream(), pipe=pipe).train()
-        pipe.flush()
-        assert pipe.table.step == 3
+    assert train_briefly(tmp_path, Stream(), steps=3) == 3
