@@ -351,8 +351,10 @@ class Pin:
             self.fd = -1
 
     def __del__(self) -> None:
-        with contextlib.suppress(AttributeError, TypeError):  # at exit os may be gone already
+        try:  # noqa: SIM105 (at interpreter exit os and contextlib may be gone already)
             self.release()
+        except (AttributeError, TypeError):
+            pass
 
 
 # ----------------------------------------------------------------------------- recover, restore
