@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import signal
 import time
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -55,12 +56,23 @@ class PipeSource:
         self.owner = owner
         self.ring = ring
         self.pin = pin and torch.cuda.is_available()
+        self._warned = False
 
     def claim(self, item: LookedUp, pin: bool) -> EmbeddedBatch:
         if item.slot >= 0 and self.ring is not None:
             rows = self.ring.read(item.slot, item.tag, len(item.unique_ids))
         else:
             rows = item.rows
+            if self.ring is not None and rows is not None and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"a batch of {len(item.unique_ids):,} unique ids did not fit the workers' "
+                    f"ring ({self.ring.rows_per_slot:,} rows a slot) and came through torch's "
+                    "slower tensor path (correct, several times slower); pass "
+                    f"pipe.loader(..., ring_rows={len(item.unique_ids) * 2}) or more",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
         return self.owner.hand_off(item, rows, self.pin or (pin and torch.cuda.is_available()))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -39,7 +41,13 @@ def reference():
 )
 def test_dataloader_options_keep_training_exact(tmp_path, reference, options):
     options = {"cache_rows": 50, **options}
-    table, *_ = train_offloaded(DATA, "adagrad", lr=0.5, path=tmp_path / "t.zarr", **options)
+    overflow = "ring_rows" in options  # correct, and says how to make room
+    with (
+        pytest.warns(RuntimeWarning, match="did not fit the workers' ring")
+        if overflow
+        else (contextlib.nullcontext())
+    ):
+        table, *_ = train_offloaded(DATA, "adagrad", lr=0.5, path=tmp_path / "t.zarr", **options)
     assert torch.equal(table, reference)
 
 
