@@ -103,12 +103,7 @@ class TableGradient:
         grad = self.parameter.grad
         if grad is None or self.ids is None:
             return False
-        if grad._version != self._version:
-            self._version = grad._version
-            if not bool(grad.any()):
-                self.clear()
-                return False
-        return True
+        return grad._version == self._version or bool(grad.any())
 
     def add(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
         """Add one backward pass's gradient ``grad`` (U, D) of the rows ``ids`` (U,) sorted.
