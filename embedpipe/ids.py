@@ -46,3 +46,10 @@ def as_ids(ids: Any, num_rows: int, what: str = "ids") -> np.ndarray:
             f"(valid ids are 0..{num_rows - 1}); check that the tokenizer matches the table"
         )
     return array
+
+
+def unique_inverse(ids: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(unique_ids, inverse)`` of checked ``ids``: the sorted distinct ids (U,) int64, and the
+    position in ``unique_ids`` of every id, shaped like ``ids``."""
+    unique_ids, inverse = np.unique(ids, return_inverse=True)
+    return unique_ids, inverse.reshape(ids.shape)

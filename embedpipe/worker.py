@@ -23,7 +23,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from .batch import EmbeddedBatch, Source, register_source
 from .cache import SharedRows
 from .errors import IdOutOfRangeError
-from .ids import as_ids
+from .ids import as_ids, unique_inverse
 from .ring import BatchRing
 from .table import WEIGHT, Table
 
@@ -100,9 +100,9 @@ class Lookup:
                 "pass ids_key=... or a collate_fn that returns a dict"
             )
         ids = as_ids(fields[self.ids_key], self.num_rows, what="batch ids")
-        unique_ids, inverse = np.unique(ids, return_inverse=True)
+        unique_ids, inverse = unique_inverse(ids, self.num_rows)
         if self.cache is None:  # the owner reads the rows (lookup_step -1 says so)
-            item = LookedUp(fields, unique_ids, inverse.reshape(ids.shape), -1, 0, None, -1, 0, 0)
+            item = LookedUp(fields, unique_ids, inverse, -1, 0, None, -1, 0, 0)
             return EmbeddedBatch._looked_up(item, self.key)
         lookup_step = self.cache.applied_step  # before any row is read (invariant 4)
         rows, hit = self.cache.read(unique_ids)
@@ -116,7 +116,7 @@ class Lookup:
         item = LookedUp(
             fields=fields,
             unique_ids=unique_ids,
-            inverse=inverse.reshape(ids.shape),
+            inverse=inverse,
             slot=placed[0] if placed else -1,
             tag=placed[1] if placed else 0,
             rows=None if placed else rows,
