@@ -3,31 +3,47 @@
 zarr-python's selection API pays about 0.2 ms of Python per chunk it touches, which caps random
 row reads at 7k-80k rows/s. A local, uncompressed array with chunks of whole rows keeps every
 chunk as a plain file of C-ordered little-endian rows (zarr v3's ``bytes`` codec), so
-:class:`RawRows` reads rows straight out of those files through ``mmap``, writes scattered rows
+:class:`RawRows` reads rows straight out of those files with ``preadv``, writes scattered rows
 in place, and writes a whole chunk by writing a new file and renaming it over the old one.
 Anything else (compressed chunks, sharding, a remote store) goes through :class:`ZarrRows` and
 the general zarr API, which rewrites every chunk it touches.
 
-Costs (measured by ``scripts/bench_table.py``, see ``docs/table-format.md``):
-``RawRows.read`` costs about 30 us per chunk touched plus a memory copy per row, ``RawRows.write``
-a system call per row; ``ZarrRows.write`` rewrites every chunk it touches in full.
+Costs (measured by ``scripts/bench_table.py``, see ``docs/table-format.md``, and by the cold-disk
+section of the benchmark, ``docs/cold-reads.md``): ``RawRows.read`` costs a ``stat`` per chunk
+touched and a system call per row; ``RawRows.write`` a system call per row; ``ZarrRows.write``
+rewrites every chunk it touches in full.
 
 NOTE [ Raw chunk reads and writes ]
-A reader keeps each chunk file it touched mapped, keyed by the file's inode, and stats the
-chunk's path on every read: a chunk replaced whole (``write_chunk``: a new file renamed over the
-old one) has a new inode, so the reader maps the new file and never serves bytes older than the
-last replace that finished before its read began. After copying, the reader drops the chunk's
-pages from its own page tables (``MADV_DONTNEED``; they stay in the OS page cache), so a process
-that reads a table many times larger than memory does not grow by what it read. Dropping later
-(after some budget of rows) does not bound memory: the kernel maps a whole large folio of the
-page cache per fault (measured: +1 GB RSS for 32 MiB of rows read). The drop costs about 1.8x in
-read time when the same chunks are read again; in the pipe, rows read from disk are the cache's
-misses, rarely read again soon.
+A reader keeps each chunk file it touched open, keyed by the file's inode, and stats the chunk's
+path on every read: a chunk replaced whole (``write_chunk``: a new file renamed over the old one)
+has a new inode, so the reader opens the new file and never serves bytes older than the last
+replace that finished before its read began. An open file that falls out of the reader's table is
+closed when the last read using it is done (another thread may still be reading it).
 
-Row writes (``write``) go in place, one ``pwrite`` per row, and are visible to every mapping at
+Rows are read with ``preadv`` into the output, never mapped, so a process that reads a table many
+times larger than memory does not grow by what it read: the pages stay in the OS page cache, not
+in the process (an earlier ``mmap`` reader had to drop its pages after each copy with
+``MADV_DONTNEED``; the kernel maps a whole large folio per fault, +1 GB RSS for 32 MiB of rows
+read otherwise). A batch is read in two passes, so that a cold disk sees the whole batch at once::
+
+    pass 1, per row:  preadv(RWF_NOWAIT) -> in the page cache: copied, done
+                                         -> not (EAGAIN): the kernel has started reading its
+                                            page (readahead, exactly the page: FADV_RANDOM)
+    pass 2, per row left:  preadv (blocking), in the same order: the pages are in flight
+
+Pass 1 issues every missed row of the batch to the disk before waiting for any, from one thread:
+the device sees a queue as deep as the batch's misses, not one read at a time (measured on this
+VM's disk: 3-5x the serial rate, above 16 threads of ``pread``, and a warm read costs one
+system call per row, 1.6-2x the ``mmap`` copy). Where ``RWF_NOWAIT`` is not supported (not
+Linux, or a file system that refuses it) every row takes pass 2, one blocking read at a time.
+No threads, so nothing to restart in a forked DataLoader worker: inherited file descriptors
+read as well in the child.
+
+Row writes (``write``) go in place, one ``pwrite`` per row, and are visible to every reader at
 once, with one exception: a chunk file that is also part of a committed checkpoint (its link
 count is above 1, see NOTE [ Checkpoint commit ] in ``checkpoints.py``) is first copied and the
-copy renamed over the live name, so a checkpoint never changes; readers notice the new inode. Replacing whole chunks instead would rewrite ``chunk_rows`` rows for every scattered row
+copy renamed over the live name, so a checkpoint never changes; readers notice the new inode.
+Replacing whole chunks instead would rewrite ``chunk_rows`` rows for every scattered row
 (measured: a 5 MB cache evicting into a 1 GiB table wrote ~100 MB per batch), which is what the
 writeback does all the time. The price: a reader copying the very row being written may see a mix
 of old and new bytes. embedpipe's own readers never keep such a copy: a row is written either
@@ -37,10 +53,11 @@ the hand-off re-reads every row the step changed (docs/consistency.md, invariant
 
 from __future__ import annotations
 
-import mmap
+import errno
 import os
 import resource
 from collections import OrderedDict
+from contextlib import suppress
 from typing import Any
 
 import numpy as np
@@ -50,9 +67,12 @@ from zarr.storage import LocalStore
 from .checkpoints import copy_sparse, unlink, write_all
 from .errors import CorruptTableError
 
-#: How many chunk files one reader keeps mapped (see the NOTE). Python's mmap keeps a file
-#: descriptor per map, so stay well inside the process's limit on open files.
-MAX_MAPPED_CHUNKS = max(16, min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 8))
+#: How many chunk files one reader keeps open (see the NOTE): well inside the process's limit on
+#: open files.
+MAX_OPEN_CHUNKS = max(16, min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 8))
+
+#: ``preadv`` flag: fail with EAGAIN instead of waiting for the disk (0 where there is none).
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
 def group_by_chunk(ids: np.ndarray, chunk_rows: int) -> tuple[list[int], list[np.ndarray]]:
@@ -154,6 +174,19 @@ class ZarrRows:
         self.write_chunk(chunk, block)
 
 
+class _ChunkFile:
+    """A chunk file open for reading, closed when the last reference goes (see the NOTE)."""
+
+    __slots__ = ("fd", "inode")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.inode = -1
+
+    def __del__(self, _close: Any = os.close) -> None:  # bound now: os may be gone at exit
+        _close(self.fd)
+
+
 class RawRows(ZarrRows):
     """Rows of a local, uncompressed zarr array, read and written as raw chunk files."""
 
@@ -162,7 +195,10 @@ class RawRows(ZarrRows):
         self.root = root  # the array's folder; chunk i lives at root/c/i/0
         self.row_bytes = self.dim * self.dtype.itemsize
         self.fill = np.asarray(array.fill_value, dtype=self.dtype)
-        self._maps: OrderedDict[int, tuple[int, mmap.mmap | None, np.ndarray]] = OrderedDict()
+        self._files: OrderedDict[int, _ChunkFile] = OrderedDict()
+        self._nowait = bool(_NOWAIT)
+        #: Rows that were not in the page cache when read (pass 2 of the NOTE), for benchmarks.
+        self.rows_waited = 0
 
     @staticmethod
     def supports(array: zarr.Array) -> str | None:
@@ -190,47 +226,80 @@ class RawRows(ZarrRows):
     def _where(self) -> str:
         return self.root
 
-    def _mapped(self, chunk: int) -> np.ndarray:
-        """The chunk's rows as a read-only array over its current file (see the NOTE)."""
+    def _opened(self, chunk: int) -> _ChunkFile | None:
+        """The chunk's current file, open for reading (see the NOTE); None for a chunk with no
+        file in a format-1 table (it reads as the fill value)."""
         path = self._path(chunk)
         try:
             inode = os.stat(path).st_ino
         except FileNotFoundError:
             if self.complete:
                 raise self._damaged(chunk, f"is missing ({path})") from None
-            return np.broadcast_to(self.fill, (self.chunk_rows, self.dim))  # format 1: fill
-        cached = self._maps.get(chunk)
-        if cached is not None and cached[0] == inode:
-            self._maps.move_to_end(chunk)
-            return cached[2]
+            return None
+        cached = self._files.get(chunk)
+        if cached is not None and cached.inode == inode:
+            with suppress(KeyError):  # another thread may have dropped it just now
+                self._files.move_to_end(chunk)
+            return cached
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:  # replaced or deleted since the stat: look again
-            return self._mapped(chunk)
-        with open(fd, "rb") as f:
-            inode = os.fstat(f.fileno()).st_ino  # the file we map, even if replaced since stat
-            size = os.fstat(f.fileno()).st_size
-            if size != self.chunk_rows * self.row_bytes:
-                raise self._damaged(
-                    chunk, f"has {size} bytes, not {self.chunk_rows * self.row_bytes} ({path})"
-                )
-            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        m.madvise(mmap.MADV_RANDOM)  # one page per fault, no read-ahead: rows are random
-        rows = np.frombuffer(m, dtype=self.dtype).reshape(-1, self.dim)
-        self._maps[chunk] = (inode, m, rows)
-        if len(self._maps) > MAX_MAPPED_CHUNKS:
-            self._maps.popitem(last=False)  # the mmap closes when its last view goes
-        return rows
+            return self._opened(chunk)
+        opened = _ChunkFile(fd)
+        stat = os.fstat(fd)
+        opened.inode, size = stat.st_ino, stat.st_size  # the file we read, even if replaced since
+        if size != self.chunk_rows * self.row_bytes:
+            raise self._damaged(
+                chunk, f"has {size} bytes, not {self.chunk_rows * self.row_bytes} ({path})"
+            )
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # a miss reads its page, no more
+        self._files[chunk] = opened
+        if len(self._files) > MAX_OPEN_CHUNKS:
+            with suppress(KeyError):
+                self._files.popitem(last=False)  # closed once no read holds it
+        return opened
 
     def read(self, ids: np.ndarray) -> np.ndarray:
+        """Rows for ``ids`` (1-D int64, in range), in the order of ``ids``: rows in the page
+        cache are copied at once, the others are all sent to the disk before waiting for any
+        (see the NOTE). Cost: a ``stat`` per chunk touched, one or two system calls per row."""
         out = np.empty((len(ids), self.dim), dtype=self.dtype)
+        out_bytes = out.view(np.uint8).reshape(len(ids), self.row_bytes)  # out: (N, D)
+        waiting: list[tuple[_ChunkFile, int, int, int]] = []  # (file, chunk, position, offset)
         chunks, positions = group_by_chunk(ids, self.chunk_rows)
         for chunk, pos in zip(chunks, positions):
-            out[pos] = self._mapped(chunk)[ids[pos] - chunk * self.chunk_rows]
-            cached = self._maps.get(chunk)
-            if cached is not None:  # drop the pages just read (see the NOTE)
-                cached[1].madvise(mmap.MADV_DONTNEED)
+            opened = self._opened(chunk)
+            if opened is None:
+                out[pos] = self.fill
+                continue
+            offsets = (ids[pos] - chunk * self.chunk_rows) * self.row_bytes
+            for i, offset in zip(pos.tolist(), offsets.tolist()):
+                if not self._nowait or not self._read_now(opened.fd, out_bytes[i], offset):
+                    waiting.append((opened, chunk, i, offset))
+        self.rows_waited += len(waiting)
+        for opened, chunk, i, offset in waiting:
+            self._read_exactly(opened.fd, out_bytes[i], offset, chunk)
         return out
+
+    def _read_now(self, fd: int, row: np.ndarray, offset: int) -> bool:
+        """Copy the row if the page cache has all of it; else False, its read started."""
+        try:
+            return os.preadv(fd, [row], offset, _NOWAIT) == len(row)
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            self._nowait = False  # this file system cannot: read one row at a time
+            return False
+
+    def _read_exactly(self, fd: int, row: np.ndarray, offset: int, chunk: int) -> None:
+        done = 0
+        while done < len(row):
+            got = os.preadv(fd, [row[done:]], offset + done)
+            if got == 0:
+                raise self._damaged(chunk, "ends before its last row; it was truncated")
+            done += got
 
     def write(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Write rows in place in their chunk files, one ``pwrite`` per row (see the NOTE); a
@@ -292,12 +361,13 @@ class RawRows(ZarrRows):
         return out, copy
 
     def read_chunk(self, chunk: int) -> np.ndarray:
-        rows = len(
-            range(chunk * self.chunk_rows, min((chunk + 1) * self.chunk_rows, self.num_rows))
-        )
-        if not self.complete and not os.path.exists(self._path(chunk)):
+        rows = min(self.chunk_rows, self.num_rows - chunk * self.chunk_rows)
+        opened = self._opened(chunk)
+        if opened is None:
             return np.full((rows, self.dim), self.fill, dtype=self.dtype)
-        return np.array(self._mapped(chunk)[:rows])
+        out = np.empty((rows, self.dim), dtype=self.dtype)
+        self._read_exactly(opened.fd, out.view(np.uint8).reshape(-1), 0, chunk)
+        return out
 
     def fill_chunk(self, chunk: int, value: float) -> None:
         if value != 0:
@@ -329,7 +399,7 @@ class RawRows(ZarrRows):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_maps"] = OrderedDict()  # mappings do not cross processes
+        state["_files"] = OrderedDict()  # file descriptors do not cross processes
         return state
 
 
