@@ -14,17 +14,13 @@ traces.
 from __future__ import annotations
 
 import argparse
-import heapq
-from collections.abc import Callable
 from typing import Any
 
-import cachetools
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..cache import RowCache, SharedRows
+from .. import simulate
 from ..pipe import EmbeddingPipe
-from ..policy import make_policy
 from . import report as md
 from .options import fraction, integer
 from .report import target
@@ -35,7 +31,8 @@ NAME = "rows"
 QUICK = {"batches": 150, "check_batches": 60}
 #: The target ratio of the default policy to Belady's optimum.
 GOAL = 1.05
-PIPE_POLICIES = ("lru", "lfu", "auto")
+#: The policies a real pipe checks the simulation of (at the pipe's own lookahead window).
+CHECKED = ("lru", "auto")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,167 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def rows_read_lazy(sets: list[np.ndarray]) -> int:
-    return sum(len(u) for u in sets)
-
-
-def rows_read_embedpipe(sets: list[np.ndarray], vocab: int, cache_rows: int, policy: str) -> int:
-    """embedpipe's own cache code on the trace: the worker's cache read, then the hand-off's admit.
-
-    With ``num_workers=0`` each lookup happens after the previous batch's hand-off, as here.
-    Rows have width 1 (the policy never looks at them) and the table is never touched.
-    """
-    shared = SharedRows(vocab, cache_rows, 1, np.float32)
-    cache = RowCache(
-        shared,
-        make_policy(policy, cache_rows, vocab),
-        fetch=lambda ids, name: np.zeros((len(ids), 1), np.float32),
-        store=lambda ids, rows, name: None,
-    )
-    read = 0
-    for u in sets:
-        rows, hit = shared.read(u)
-        read += len(u) - int(hit.sum())
-        cache.admit(u, rows)
-    return read
-
-
-def lru_lookup(cache: cachetools.LRUCache, ids: list[int]) -> list[int]:
-    """The per-worker LRU's lookup: touch the hits, return the misses (not yet inserted)."""
-    misses = []
-    for i in ids:
-        if cache.get(i) is None:  # get() of a hit moves it to the front
-            misses.append(i)
-    return misses
-
-
-def rows_read_worker_lru(sets: list[np.ndarray], cache_rows: int, workers: int) -> int:
-    """Per-worker ``cachetools.LRUCache``: worker w sees batches w, w+workers, ... (as the
-    DataLoader hands them out) and keeps its own cache of ``cache_rows`` rows."""
-    if cache_rows < 1:
-        return rows_read_lazy(sets)
-    caches = [cachetools.LRUCache(maxsize=cache_rows) for _ in range(workers)]
-    read = 0
-    for t, u in enumerate(sets):
-        cache = caches[t % workers]
-        misses = lru_lookup(cache, u.tolist())
-        read += len(misses)
-        for i in misses:
-            cache[i] = True
-    return read
-
-
-def next_uses(sets: list[np.ndarray]) -> list[np.ndarray]:
-    """For each batch t and each id in it, the next batch after t that uses the id (or len)."""
-    n = len(sets)
-    ids = np.concatenate(sets)
-    when = np.repeat(np.arange(n), [len(u) for u in sets])
-    order = np.lexsort((when, ids))  # by id, then by batch
-    nxt_sorted = np.full(len(ids), n, dtype=np.int64)
-    same = ids[order][1:] == ids[order][:-1]
-    nxt_sorted[:-1][same] = when[order][1:][same]
-    nxt = np.empty_like(nxt_sorted)
-    nxt[order] = nxt_sorted
-    return np.split(nxt, np.cumsum([len(u) for u in sets])[:-1])
-
-
-def rows_read_belady(
-    sets: list[np.ndarray], nexts: list[np.ndarray], vocab: int, cache_rows: int
-) -> int:
-    """Belady's MIN at batch granularity, with bypass: after each batch the cache keeps, of the
-    rows it held and the rows just read, the ``cache_rows`` whose next use is soonest (a row never
-    used again is not kept). A max-heap on next use with lazy deletion: O(log C) per access.
-    """
-    end = len(sets)
-    cached = np.zeros(vocab, dtype=bool)
-    due = np.full(vocab, -1, dtype=np.int64)  # next use of each cached id
-    heap: list[tuple[int, int]] = []  # (-next use, id); stale when it disagrees with due[id]
-    size = read = 0
-    for u, nxt in zip(sets, nexts, strict=True):
-        hit = cached[u]
-        read += len(u) - int(hit.sum())
-        hit_ids, hit_next = u[hit], nxt[hit]
-        due[hit_ids] = hit_next
-        for i, n in zip(hit_ids.tolist(), hit_next.tolist(), strict=True):
-            heapq.heappush(heap, (-n, i))
-        for i, n in zip(u[~hit].tolist(), nxt[~hit].tolist(), strict=True):
-            if n >= end or cache_rows == 0:
-                continue  # never used again: bypass
-            if size >= cache_rows:
-                while True:  # the cached row used furthest in the future
-                    neg, j = heap[0]
-                    if cached[j] and due[j] == -neg:
-                        break
-                    heapq.heappop(heap)
-                if -neg <= n:
-                    continue  # every cached row is needed no later than this one
-                heapq.heappop(heap)
-                cached[j] = False
-                size -= 1
-            cached[i] = True
-            due[i] = n
-            heapq.heappush(heap, (-n, i))
-            size += 1
-        if len(heap) > 4 * cache_rows + 4096:  # drop the stale entries
-            live = np.flatnonzero(cached)
-            heap = list(zip((-due[live]).tolist(), live.tolist(), strict=True))
-            heapq.heapify(heap)
-    return read
-
-
-def rows_read_keep_best(
-    sets: list[np.ndarray],
-    cache_rows: int,
-    key: Callable[[int, np.ndarray, np.ndarray, np.ndarray], np.ndarray],
-) -> int:
-    """A cache that, after each batch t, keeps the ``cache_rows`` rows of lowest
-    ``key(t, u, candidates, held)`` among the rows it held and the rows batch t read (``u``);
-    ``held`` says which candidates were cached. Vectorised per batch (O(C + U) numpy).
-    """
-    cached = np.empty(0, dtype=np.int64)
-    read = 0
-    for t, u in enumerate(sets):
-        read += len(u) - int(np.isin(u, cached, assume_unique=True).sum())
-        cand = np.union1d(cached, u)
-        k = key(t, u, cand, np.isin(cand, cached, assume_unique=True))
-        if len(cand) > cache_rows:
-            cand = cand[np.argpartition(k, cache_rows - 1)[:cache_rows]]
-        cached = cand
-    return read
-
-
-def rows_read_freq_admit(sets: list[np.ndarray], vocab: int, cache_rows: int) -> int:
-    """Candidate: LFU with per-id counts that survive eviction, so a missed row replaces a cached
-    one only if more batches have used it (ties: the cached row stays)."""
-    counts = np.zeros(vocab, dtype=np.int64)
-
-    def key(t: int, u: np.ndarray, cand: np.ndarray, held: np.ndarray) -> np.ndarray:
-        counts[u] += 1
-        return -2 * counts[cand] - held
-
-    return rows_read_keep_best(sets, cache_rows, key)
-
-
-def rows_read_lookahead(
-    sets: list[np.ndarray], nexts: list[np.ndarray], vocab: int, cache_rows: int, window: int
-) -> int:
-    """Candidate: Belady within the next ``window`` batches (the sampler's order is known that far
-    ahead); rows not used within the window rank after those that are, by past frequency, and
-    rows known never to be used again rank last."""
-    end = len(sets)
-    counts = np.zeros(vocab, dtype=np.int64)
-    due = np.zeros(vocab, dtype=np.int64)
-
-    def key(t: int, u: np.ndarray, cand: np.ndarray, held: np.ndarray) -> np.ndarray:
-        counts[u] += 1
-        due[u] = nexts[t]
-        d = due[cand]
-        seen = np.where(d < end, d.astype(np.float64), np.inf)
-        return np.where(d <= t + window, seen, 1e15 - counts[cand])
-
-    return rows_read_keep_best(sets, cache_rows, key)
-
-
 def rows_read_pipe(
     path: str, ids: np.ndarray, batch_size: int, cache_rows: int, policy: str
 ) -> int:
@@ -243,19 +79,15 @@ def rows_read_pipe(
 
 
 def columns(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(key, heading) of each policy column, Belady's optimum first."""
+    """(policy, heading) of each column: every policy the simulator knows, the optimum first."""
     w = args.workers
-    return [
-        ("belady", "Belady (optimal)"),
-        ("lru", "embedpipe lru"),
-        ("lfu", "embedpipe lfu"),
-        ("auto", "embedpipe auto"),
-        ("worker_lru", f"cachetools LRU, {w} workers x C"),
-        ("worker_lru_split", f"cachetools LRU, {w} workers x C/{w}"),
-        ("lazy", "lazy (no cache)"),
-        ("freq_admit", "freq-admit LFU (sim)"),
-        ("lookahead", f"lookahead {args.lookahead} (sim)"),
-    ]
+    headings = {
+        "belady": "Belady (optimal)",
+        "worker_lru": f"cachetools LRU, {w} workers x C",
+        "worker_lru_split": f"cachetools LRU, {w} workers x C/{w}",
+        "lazy": "lazy (no cache)",
+    }
+    return [(p, headings.get(p, f"embedpipe {p}")) for p in simulate.POLICIES]
 
 
 def traces(args: argparse.Namespace) -> list[Trace]:
@@ -270,44 +102,45 @@ def trace_table(
     trace: Trace, args: argparse.Namespace, path: str | None, bar: tqdm
 ) -> dict[str, Any]:
     """Rows read per policy and cache size on ``trace``; with ``path``, the real-pipe check."""
-    sets = [np.unique(trace.batch(t)) for t in range(trace.num_batches)]
-    nexts = next_uses(sets)
-    lazy = rows_read_lazy(sets)
-    v = args.vocab
+    sets = simulate.batch_sets(trace.ids, trace.batch_size)
+    sizes = [max(1, round(frac * args.vocab)) for frac in args.cache_fracs]
+
+    def progress(policy: str, cache_rows: int) -> None:
+        bar.set_postfix_str(f"{trace.name[:9]} {cache_rows} {policy}")
+        bar.update()
+
+    curve = simulate.miss_ratio_curve(
+        sets,
+        args.vocab,
+        sizes,
+        window=args.lookahead,
+        workers=args.workers,
+        progress=progress,
+    )
     result: dict[str, Any] = {
         "trace": trace.name,
         "batches": len(sets),
-        "unique_per_batch": lazy / len(sets),
+        "unique_per_batch": curve["lazy"] / len(sets),
         "distinct_ids": len(np.unique(np.concatenate(sets))),
-        "sizes": [],
+        "sizes": [
+            {
+                "frac": frac,
+                "cache_rows": c,
+                **{p: reads[i] for p, reads in curve["rows_read"].items()},
+            }
+            for i, (frac, c) in enumerate(zip(args.cache_fracs, sizes, strict=True))
+        ],
     }
-    runs: dict[str, Callable[[int], int]] = {
-        "belady": lambda c: rows_read_belady(sets, nexts, v, c),
-        **{p: (lambda c, p=p: rows_read_embedpipe(sets, v, c, p)) for p in PIPE_POLICIES},
-        "worker_lru": lambda c: rows_read_worker_lru(sets, c, args.workers),
-        "worker_lru_split": lambda c: rows_read_worker_lru(sets, c // args.workers, args.workers),
-        "lazy": lambda c: lazy,
-        "freq_admit": lambda c: rows_read_freq_admit(sets, v, c),
-        "lookahead": lambda c: rows_read_lookahead(sets, nexts, v, c, args.lookahead),
-    }
-    for frac in args.cache_fracs:
-        c = max(1, round(frac * v))
-        row: dict[str, Any] = {"frac": frac, "cache_rows": c}
-        for key, run_one in runs.items():
-            bar.set_postfix_str(f"{trace.name[:9]} {frac:g} {key}")
-            row[key] = run_one(c)
-            bar.update()
-        result["sizes"].append(row)
     if path is not None:  # the real pipe against the simulation, on the first batches
-        c = max(1, round(args.check_frac * v))
+        c = max(1, round(args.check_frac * args.vocab))
         head = trace.head(args.check_batches)
         n = len(head) // trace.batch_size
         check: dict[str, Any] = {"cache_rows": c, "frac": args.check_frac, "batches": n}
-        for policy in ("lru", "auto"):
+        for policy in CHECKED:
             bar.set_postfix_str(f"{trace.name[:9]} pipe {policy}")
             check[policy] = {
                 "pipe": rows_read_pipe(path, head, trace.batch_size, c, policy),
-                "sim": rows_read_embedpipe(sets[:n], v, c, policy),
+                "sim": simulate.rows_read(sets[:n], args.vocab, c, policy),
             }
             bar.update()
         result["check"] = check
@@ -317,7 +150,7 @@ def trace_table(
 def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     """Rows read on every trace; the real-pipe check on the first (Zipf)."""
     found = traces(args)
-    steps = len(found) * len(args.cache_fracs) * len(columns(args)) + 2
+    steps = len(found) * len(args.cache_fracs) * len(simulate.POLICIES) + len(CHECKED)
     with tqdm(total=steps, desc="rows read", unit="run") as bar:
         tables = [
             trace_table(t, args, table_path(args, workdir) if i == 0 else None, bar)
@@ -345,8 +178,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         parts.append(md.md_table(["cache (rows)", *(h for _, h in cols)], rows))
         if "check" in r:
             ch = r["check"]
-            agree = all(ch[p]["pipe"] == ch[p]["sim"] for p in ("lru", "auto"))
-            both = ", ".join(f"{p} {ch[p]['pipe']:,} vs {ch[p]['sim']:,}" for p in ("lru", "auto"))
+            agree = all(ch[p]["pipe"] == ch[p]["sim"] for p in CHECKED)
+            both = ", ".join(f"{p} {ch[p]['pipe']:,} vs {ch[p]['sim']:,}" for p in CHECKED)
             parts.append(
                 f"\nA real EmbeddingPipe at {ch['frac']:.0%} ({ch['cache_rows']:,} rows, "
                 f"num_workers=0, first {ch['batches']} batches): `stats()['rows_read']` vs the "

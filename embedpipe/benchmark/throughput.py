@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 
 from .. import optim
 from ..pipe import EmbeddingPipe
+from ..simulate import lru_lookup
 from ..table import Table
 from . import report as md
 from .options import fraction, integer
@@ -95,18 +96,14 @@ class LRUCollate:
             self.cache = cachetools.LRUCache(maxsize=self.cache_rows)
         ids = torch.stack([s["input_ids"] for s in samples])
         unique, inverse = torch.unique(ids, return_inverse=True)
-        found: dict[int, np.ndarray] = {}
-        misses = []
-        for i in unique.tolist():
-            row = self.cache.get(i)  # get() of a hit moves it to the front
-            if row is None:
-                misses.append(i)
-            else:
-                found[i] = row
+        keys = unique.tolist()
+        misses = lru_lookup(self.cache, keys)
+        missed = set(misses)
+        found = {i: self.cache[i] for i in keys if i not in missed}  # before inserts evict them
         if misses:
             for i, row in zip(misses, self.table.read(np.array(misses)), strict=True):
                 self.cache[i] = found[i] = row
-        rows = torch.from_numpy(np.stack([found[i] for i in unique.tolist()]))
+        rows = torch.from_numpy(np.stack([found[i] for i in keys]))
         return {"input_ids": ids, "inverse": inverse, "rows": rows}
 
 
