@@ -153,10 +153,12 @@ class EmbeddedBatch(Mapping[str, Any]):
     def __getstate__(self) -> dict[str, Any]:
         if self._item is None:
             raise TypeError("a claimed EmbeddedBatch cannot be pickled; pickle its fields")
-        return {"fields": self.fields, "_item": self._item, "_source": self._source}
+        # the fields travel inside the item, once (as bytes: NOTE [ Fields travel as bytes ]
+        # in worker.py)
+        return {"_item": self._item, "_source": self._source}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _pin=False)
+        self.__dict__.update(state, fields=state["_item"].fields, _pin=False)
 
     def _claim(self) -> EmbeddedBatch:
         """Claim an unclaimed batch in the training process (no-op once claimed)."""

@@ -62,6 +62,9 @@ class PadCollator:
                 continue
             rows = [torch.as_tensor(v) for v in values]
             length = max(len(r) for r in rows)
+            if all(len(r) == length and r.dtype == rows[0].dtype for r in rows):
+                batch[key] = torch.stack(rows)  # nothing to pad: one copy, not one per sample
+                continue
             pad = self._pad_id(rows, length) if key == self.ids_key else PAD_VALUES.get(key, 0)
             stacked = rows[0].new_full((len(rows), length), pad)
             for i, r in enumerate(rows):

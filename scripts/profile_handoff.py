@@ -62,7 +62,7 @@ STAGES = (
     ("  unique + inverse", "embedpipe.worker:unique_inverse"),
     ("  cache hits (seqlock)", "embedpipe.cache:SharedRows.read"),
     ("  disk reads", "embedpipe.rowstore:RawRows.read"),
-    ("    chunk stat/map", "embedpipe.rowstore:RawRows._mapped"),
+    ("    chunk stat/open", "embedpipe.rowstore:RawRows._opened"),
     ("  ring write", "embedpipe.ring:BatchRing.write"),
     ("worker: send (pickle)", "multiprocessing.reduction:ForkingPickler.dumps"),
 )

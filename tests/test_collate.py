@@ -72,3 +72,12 @@ def test_hf_trainer_trains_on_a_ragged_dataset_with_no_collator(tmp_path):
         [{k: v for k, v in s.items() if k != "text"} for s in ragged(8)]
     )
     assert train_briefly(tmp_path, dataset, steps=2) == 2
+
+
+def test_samples_of_one_length_are_stacked_as_they_are():
+    samples = [{"input_ids": torch.tensor([5, 6, 7], dtype=torch.int32), "labels": [1, 2, 3]}] * 2
+    batch = PadCollator(pad_id=0)(samples)
+    assert (
+        batch["input_ids"].dtype == torch.int32 and batch["input_ids"].tolist() == [[5, 6, 7]] * 2
+    )
+    assert batch["labels"].tolist() == [[1, 2, 3]] * 2 and "attention_mask" not in batch

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import pickle
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import pytest
 import torch
 
 import embedpipe
+from embedpipe.ids import unique_inverse
 from embedpipe.pipe import EmbeddingPipe
+from embedpipe.worker import LookedUp
 
 from .helpers import train_offloaded, train_reference, zipf_dataset
 
@@ -114,3 +118,66 @@ def test_batch_mapping_and_device_move(tmp_path):
         assert again.grad_fn.next_functions[0][0].variable is moved.rows
         with torch.no_grad():
             assert not batch.to("cpu")["inputs_embeds"].requires_grad
+
+
+@pytest.mark.parametrize("num_rows", [50, 100_000])  # marked in a table-sized array; sorted
+@pytest.mark.parametrize("shape", [(4, 16), (64,), (0,)])
+def test_unique_ids_and_inverse_are_numpys(num_rows, shape):
+    ids = np.random.default_rng(0).integers(0, num_rows, shape)
+    unique_ids, inverse = unique_inverse(ids, num_rows)
+    expected, expected_inverse = np.unique(ids, return_inverse=True)
+    assert np.array_equal(unique_ids, expected) and unique_ids.dtype == np.int64
+    assert np.array_equal(inverse, expected_inverse.reshape(shape)) and inverse.shape == shape
+    assert np.array_equal(unique_ids[inverse], ids)
+
+
+def test_fields_travel_from_a_worker_as_bytes_and_arrive_as_tensors():
+    ids = torch.arange(32 * 128).reshape(32, 128)
+    fields = {
+        "input_ids": ids,
+        "mask": torch.ones(32, 128, dtype=torch.bool),
+        "scores": torch.randn(8, 3).to(torch.bfloat16),
+        "columns": ids[:, :4].t(),  # a view, not contiguous
+        "grad": torch.zeros(2, requires_grad=True),  # keeps torch's own way
+        "nested": [{"labels": torch.tensor([1, -100])}, "text"],
+    }
+    item = LookedUp(fields, np.arange(3), np.zeros((32, 128), np.int64), 0, 2, None, 1, 2, 1)
+    sent = ForkingPickler.dumps(item)  # as the DataLoader's queue pickles a worker's batch
+    assert len(sent) > ids.nbytes  # the ids' bytes are in the pickle, not in shared memory
+    received = pickle.loads(sent)
+    assert received.unique_ids.tolist() == [0, 1, 2] and received.slot == 0 and received.misses == 1
+    for key in ("input_ids", "mask", "scores", "columns", "grad"):
+        assert torch.equal(received.fields[key], fields[key]), key
+        assert received.fields[key].dtype == fields[key].dtype, key
+    assert received.fields["grad"].requires_grad
+    assert torch.equal(received.fields["nested"][0]["labels"], torch.tensor([1, -100]))
+    assert received.fields["nested"][1] == "text"
+
+
+class Batched(torch.utils.data.Dataset):
+    """A dataset with its own ``__getitems__``, which the DataLoader calls for a batch."""
+
+    def __init__(self, samples):
+        self.samples = samples
+        self.batches = 0
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        raise AssertionError("the DataLoader fetches whole batches through __getitems__")
+
+    def __getitems__(self, indices):
+        self.batches += 1
+        return [self.samples[i] for i in indices]
+
+
+def test_a_datasets_getitems_is_used_and_a_bad_sample_is_named(tmp_path):
+    embedpipe.Table.create(tmp_path / "t.zarr", 10, 4).close()
+    good = [{"input_ids": torch.tensor([1, 2], dtype=torch.int32)} for _ in range(5)]
+    bad = [*good[:3], {"input_ids": torch.tensor([1, 99])}, *good[3:]]
+    with EmbeddingPipe(tmp_path / "t.zarr", cache_rows=3) as pipe:
+        data = Batched(good)
+        assert len(list(pipe.loader(data, batch_size=2))) == 3 and data.batches == 3
+        with pytest.raises(ValueError, match="sample 3, 'input_ids': id 99 at position 1"):
+            list(pipe.loader(Batched(bad), batch_size=2))
