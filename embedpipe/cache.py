@@ -206,7 +206,9 @@ class RowCache:
         self.clock = 0  # ticks: one per applied step (and one per reset); published to workers
         self.last_updated = np.zeros(len(shared.slot_of), dtype=np.int32)  # tick of last change
         self.shared.publish(0)
-        self.counts = {"evictions": 0, "rows_read": 0, "rows_written": 0, "cleaned_ahead": 0}
+        self.counts = dict.fromkeys(
+            ("evictions", "rows_read", "rows_written", "cleaned_ahead", "prefetched"), 0
+        )
         self._broken: str | None = None  # what was interrupted, once the cache cannot be trusted
 
     # ----------------------------------------------------------------- hand-off (main thread)
@@ -225,7 +227,8 @@ class RowCache:
         """Record a batch's use of ``ids`` (unique) and cache those the policy admits, with ``rows``.
 
         Frees slots through the policy, writing dirty victims to the table first; never evicts a
-        row of this batch or one an optimizer step is working on. Safe to interrupt anywhere:
+        row an optimizer step is working on, nor one of this batch unless the policy says
+        (``keeps_batch``) the batch's copy is all it needs. Safe to interrupt anywhere:
         what is done is consistent, the rest is not done.
         """
         self._check()
@@ -234,17 +237,42 @@ class RowCache:
         slots = self.shared.slot_of[ids].astype(np.int64)
         new = np.flatnonzero(slots < 0)
         if len(new):
-            keep = np.concatenate([slots[slots >= 0], np.flatnonzero(self.pinned)])
+            keep = np.flatnonzero(self.pinned)
+            if self.policy.keeps_batch:
+                keep = np.concatenate([slots[slots >= 0], keep])
             chosen, free = self.policy.plan(ids[new], keep, self.shared.slot_id)
             admitted = new[chosen]
-            self._evict(free[self.shared.slot_id[free] >= 0])
-            self.policy.forget(free)
-            self.state_loaded[free] = False  # before the slots take their new ids
-            self.dirty[free] = False
-            self.shared.put(free, ids[admitted], rows[admitted])
+            if not self.policy.keeps_batch:  # the batch has its copy: its rows may go too
+                slots[np.isin(slots, free)] = -1
+            self._replace(free, ids[admitted], rows[admitted])
             slots[admitted] = free
             self.last_admitted = len(admitted)
         self.policy.record(ids, slots)
+
+    def worth_prefetching(self, ids: np.ndarray) -> tuple[np.ndarray, int]:
+        """Which of ``ids`` (a coming batch's) are not cached and would be admitted now, and the
+        clock tick to hand back to :meth:`prefetch` with their rows."""
+        self._check()
+        missing = ids[self.shared.slot_of[ids] < 0]
+        if len(missing) == 0 or self.shared.cache_rows == 0:
+            return missing[:0], self.clock
+        chosen, _ = self.policy.plan(missing, np.flatnonzero(self.pinned), self.shared.slot_id)
+        return missing[np.sort(chosen)], self.clock
+
+    def prefetch(self, ids: np.ndarray, rows: np.ndarray, tick: int) -> int:
+        """Cache rows read from the table ahead of the batch that needs them, as far as the
+        policy admits them now; rows cached or changed by a step since ``tick`` are left out
+        (their copy may be older). Returns how many were cached."""
+        self._check()
+        self.counts["rows_read"] += len(ids)
+        fresh = (self.shared.slot_of[ids] < 0) & (self.last_updated[ids] <= tick)
+        ids, rows = ids[fresh], rows[fresh]
+        if len(ids) == 0:
+            return 0
+        chosen, free = self.policy.plan(ids, np.flatnonzero(self.pinned), self.shared.slot_id)
+        self._replace(free, ids[chosen], rows[chosen])
+        self.counts["prefetched"] += len(chosen)
+        return len(chosen)
 
     # ----------------------------------------------------------------- writeback thread
     def gather(self, ids: np.ndarray) -> Update:
@@ -370,6 +398,14 @@ class RowCache:
         return self._broken
 
     # ----------------------------------------------------------------- internals
+    def _replace(self, slots: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Give ``slots`` to ``ids`` with ``rows``, evicting what they hold."""
+        self._evict(slots[self.shared.slot_id[slots] >= 0])
+        self.policy.forget(slots)
+        self.state_loaded[slots] = False  # before the slots take their new ids
+        self.dirty[slots] = False
+        self.shared.put(slots, ids, rows)
+
     @contextmanager
     def _guard(self, what: str) -> Iterator[None]:
         """Mark the cache broken if the block does not run to its end (an exception, a signal)."""

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_conve
 from .batch import EmbeddedBatch
 from .collate import PadCollator
 from .errors import WorkerDiedError
+from .lookahead import Ahead, Stream
 from .ring import BatchRing
 from .worker import CheckedDataset, CheckedIterable, LookedUp, Lookup
 
@@ -124,12 +125,40 @@ class PipeLoader(DataLoader):
         self.ids_key = ids_key
 
     def __iter__(self) -> Iterator[EmbeddedBatch]:  # type: ignore[override]
-        for batch in self._batches():
-            yield batch._claim()
-
-    def _batches(self) -> Iterator[EmbeddedBatch]:
-        """The DataLoader's output, with a failed batch ending the epoch cleanly."""
         iterator = super().__iter__()
+        stream = self._foresee(iterator)
+        try:
+            for number, batch in enumerate(self._batches(iterator)):
+                if stream is not None:
+                    stream.claim(number)
+                yield batch._claim()
+        finally:
+            if stream is not None:
+                self.pipe._owner.end_stream(stream)
+
+    def _foresee(self, iterator: Any) -> Stream | None:
+        """Let the lookahead policy see this epoch's batches before they are dispatched
+        (``lookahead.py``), when their order is the sampler's and nothing else owns the window."""
+        owner = self.pipe._owner
+        inner = getattr(iterator, "_sampler_iter", None)
+        if (
+            not owner.looks_ahead
+            or owner.stream is not None
+            or inner is None
+            or isinstance(self.dataset, IterableDataset)
+            or not getattr(self, "in_order", True)
+        ):
+            return None
+        # batches the workers were sent before this point are not foreseen
+        order = Ahead(inner, getattr(iterator, "_send_idx", 0))
+        iterator._sampler_iter = order
+        in_flight = self.num_workers * (self.prefetch_factor or 2) if self.num_workers else 0
+        return owner.start_stream(
+            self.dataset.dataset, self.ids_key, order, self._auto_collation, in_flight
+        )
+
+    def _batches(self, iterator: Any) -> Iterator[EmbeddedBatch]:
+        """The DataLoader's output, with a failed batch ending the epoch cleanly."""
         inline = self.num_workers == 0  # the lookup runs at next(), in this thread
         try:
             while True:

@@ -33,8 +33,9 @@ from .cache import RowCache, SharedRows, Update
 from .checkpoints import Checkpoint
 from .errors import NonFiniteGradientError, TableWriteError, WritebackError
 from .gradient import TableGradient
+from .lookahead import Ahead, Stream
 from .optim import RowOptimizer
-from .policy import LRU
+from .policy import LRU, Lookahead
 from .table import Table
 from .worker import LookedUp
 from .writeback import Writeback
@@ -83,6 +84,9 @@ class Owner:
         self._step_in_progress: int | None = None  # for the messages of failed table writes
         self.generation = 0  # snapshots loaded: step numbers restart, batches claimed before are stale
         self.closed = False
+        #: The policy sees the loader's next batches (``lookahead.py``); ``stream`` feeds it.
+        self.looks_ahead = isinstance(policy, Lookahead) and policy.cache_rows > 0
+        self.stream: Stream | None = None
 
     # ------------------------------------------------------------------------- training loop
     @property
@@ -128,7 +132,11 @@ class Owner:
                 if len(stale):
                     rows[stale] = self.cache.current(ids[stale])
                     self.counts["refreshed"] += len(stale)
+            if self.looks_ahead:
+                self.cache.policy.training = self.trains_now
             self.cache.admit(ids, rows)
+            if self.looks_ahead and self.trains_now:
+                self.cache.policy.hold(ids)
             tick = self.cache.clock
         self.counts["batches"] += 1
         self.counts["hits"] += hits
@@ -170,6 +178,19 @@ class Owner:
             tick,
             self.generation,
         )
+
+    def start_stream(
+        self, dataset: Any, ids_key: str, order: Ahead, batched: bool, in_flight: int
+    ) -> Stream:
+        """A loader's epoch whose order is known: it feeds the lookahead policy's window."""
+        with self.lock:
+            self.stream = Stream(self, dataset, ids_key, order, batched, in_flight)
+        return self.stream
+
+    def end_stream(self, stream: Stream) -> None:
+        stream.stop()
+        if self.stream is stream:
+            self.stream = None
 
     def _wait_for_steps(self) -> None:
         if self.writeback is not None:
@@ -217,6 +238,8 @@ class Owner:
         the lock, so hand-offs go on."""
         with self.lock:
             work = self.cache.gather(ids)
+            if self.looks_ahead:
+                self.cache.policy.release()  # the step's rows are pinned now
         try:
             before = work.copy() if (work.slots < 0).any() else work  # for a failed table write
             _update_in_float32(self.optimizer, work, grad, step, lr)
@@ -378,6 +401,7 @@ class Owner:
             "rows_written": cache["rows_written"],
             "evictions": cache["evictions"],
             "cleaned_ahead": cache["cleaned_ahead"],
+            "prefetched": cache["prefetched"],
             "writeback_queue": self.writeback.pending if self.writeback else 0,
             "steps": self.applied_step - self.start_step,
             "cached_rows": int((self.shared.slot_id >= 0).sum()),

@@ -34,7 +34,7 @@ from .errors import DistributedNotSupportedError, InvalidRowsError, TableExistsE
 from .hf import offloaded_embeddings
 from .optim import RowOptimizer
 from .owner import Owner
-from .policy import make_policy
+from .policy import DEFAULT_WINDOW, make_policy
 from .table import Table
 
 CONSISTENCY = ("exact", "bounded")
@@ -53,7 +53,12 @@ class EmbeddingPipe:
         again per optimizer state array (owner only), 12 bytes per table row (8 with LRU), and
         the workers' ring (see ``loader``).
     policy:
-        ``"lru"``, ``"lfu"`` or ``"auto"`` (the best measured policy, see ``embedpipe.policy``).
+        ``"lru"``, ``"lfu"``, ``"lookahead"`` or ``"auto"`` (the best measured policy: lookahead,
+        see ``embedpipe.policy``).
+    lookahead:
+        Batches the lookahead policy sees ahead (default 64): a loader over a map-style dataset
+        reads the ids of its next batches from the dataset in a background thread, fetching each
+        sample twice. 0 turns it off (the policy is then LFU).
     optimizer:
         ``embedpipe.optim.SGD``, ``Adagrad`` or ``Adam``; ``None`` keeps the table frozen.
     consistency, max_staleness:
@@ -81,9 +86,10 @@ class EmbeddingPipe:
         padding_idx: int | str | None = "table",
         check_finite: bool = True,
         keep: int | None = None,
+        lookahead: int = DEFAULT_WINDOW,
         grad_accumulation: Any = None,
     ) -> None:
-        _check_options(cache_rows, consistency, max_staleness, grad_accumulation, keep)
+        _check_options(cache_rows, consistency, max_staleness, grad_accumulation, keep, lookahead)
         if optimizer is not None:
             _check_one_process()
         owns_table = not isinstance(table, Table)
@@ -113,7 +119,7 @@ class EmbeddingPipe:
                 placeholders = offloaded_embeddings(table.path) if optimizer is not None else []
                 self._owner = Owner(
                     table,
-                    make_policy(policy, cache_rows, table.num_rows),
+                    make_policy(policy, cache_rows, table.num_rows, lookahead),
                     optimizer,
                     options,
                     owns_table=owns_table,
@@ -392,7 +398,12 @@ def _check_compatible(table: Table, source: Table) -> None:
 
 
 def _check_options(
-    cache_rows: Any, consistency: str, max_staleness: Any, grad_accumulation: Any, keep: Any
+    cache_rows: Any,
+    consistency: str,
+    max_staleness: Any,
+    grad_accumulation: Any,
+    keep: Any,
+    lookahead: Any,
 ) -> None:
     if (
         not isinstance(cache_rows, (int, np.integer))
@@ -419,3 +430,7 @@ def _check_options(
         )
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
         raise ValueError(f"keep must be an integer >= 1 (checkpoints kept), got {keep!r}")
+    if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0:
+        raise ValueError(
+            f"lookahead must be an integer >= 0 (batches seen ahead; 0: off), got {lookahead!r}"
+        )

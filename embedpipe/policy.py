@@ -1,4 +1,4 @@
-"""Which missed rows to cache, and which cached rows to evict for them: LRU and LFU.
+"""Which missed rows to cache, and which cached rows to evict for them: LRU, LFU and lookahead.
 
 The owner tells a policy two things at each hand-off: which ids the batch used and where they
 sit (:meth:`LRU.record`), and which of the batch's missed ids could be admitted
@@ -10,23 +10,51 @@ vectorised over the batch: a hand-off costs O(U) plus one ``argpartition`` over 
   ``10 x cache_rows`` uses so old popularity fades), evicts the cached row with the lowest
   count, and admits a missed row only if it is used more often than the row it would evict.
   Without that admission test a batch with more misses than the cache has cold slots evicts hot
-  rows for one-off ids (measured in ``scripts/bench.py``: 1.39x the rows Belady's optimum reads
-  at a 2% cache, against about 1.1x with it).
-- ``"auto"`` is LFU: token traces are Zipf-like, and LFU read the fewest rows at every cache size
-  measured (docs/benchmarks.md). A lookahead policy that reads the sampler's order is planned.
+  rows for one-off ids.
+- ``"lookahead"`` knows the ids of the batches the loader will hand off next (``lookahead.py``
+  reads them from the dataset in the sampler's order) and keeps the rows used soonest: see
+  NOTE [ The lookahead window ]. Without a window (an iterable dataset) it is LFU.
+- ``"auto"`` is lookahead: it read within a few percent of Belady's optimum at every cache size
+  measured, where LFU read up to 1.6x (docs/benchmarks.md).
+
+NOTE [ The lookahead window ]
+The window is the next ``window`` batches, in the order they will be handed off (``foresee``
+appends one, ``advance`` drops the one being handed off). For every table row the policy keeps
+``next_use``, the number of the first batch in the window that uses it, and for every (batch,
+row) entry the number of the next batch after it that uses the row, linked as batches are
+foreseen; so both calls cost O(rows of the batch), never a scan of the window. Eviction is
+Belady's rule inside the window (the cached row used furthest ahead goes first) and LFU beyond it
+(rows no foreseen batch uses go before any that one does, least used first); a missed row is
+admitted only if it is worth more than the row it would evict, by the same measure. Two kinds
+of row are never evicted: rows of the first ``protect`` batches of the window (the loader's
+batches in flight, whose workers read them now) and rows of batches handed out for training
+whose optimizer step has not gathered them yet (``hold``/``release``: evicting one would cost a
+read at the step and a write after it). While training, a missed row is admitted over any row no
+foreseen batch uses, since the step will update it: it is then written once, when it is evicted,
+not read and written at the step.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 
-POLICIES = ("lru", "lfu", "auto")
+POLICIES = ("lru", "lfu", "lookahead", "auto")
+#: Batches the lookahead policy sees ahead, by default.
+DEFAULT_WINDOW = 64
+#: Batches handed out for training whose rows the lookahead policy holds until a step.
+MAX_HELD = 16
 
 
 class LRU:
     """Admit every miss; evict the slots used longest ago (empty slots first)."""
 
     name = "lru"
+    slot_bytes = 8  # the policy's own memory per cache slot (last_used) ...
+    row_bytes = 0  # ... and per table row
+    #: The rows of the batch being handed off are not evicted for its own misses.
+    keeps_batch = True
 
     def __init__(self, cache_rows: int, num_rows: int) -> None:
         self.cache_rows = cache_rows
@@ -72,6 +100,7 @@ class LFU(LRU):
     """Evict the least frequently used row; admit a miss only if it is used more often."""
 
     name = "lfu"
+    row_bytes = 4  # uses
 
     def __init__(self, cache_rows: int, num_rows: int) -> None:
         super().__init__(cache_rows, num_rows)
@@ -97,15 +126,141 @@ class LFU(LRU):
         return score
 
     def _choose(self, candidates: np.ndarray, victim_scores: np.ndarray) -> np.ndarray:
-        # Pair the most used candidates with the coldest victims; admit while the candidate wins.
-        uses = self.uses[candidates] + 1  # with this batch, not recorded yet
-        order = np.argsort(-uses, kind="stable")[: len(victim_scores)]
-        wins = uses[order] > victim_scores[: len(order)]
+        # Pair the most valued candidates with the coldest victims; admit while the candidate wins.
+        value = self._value(candidates)
+        order = np.argsort(-value, kind="stable")[: len(victim_scores)]
+        wins = value[order] > victim_scores[: len(order)]
         return order[: int(np.argmin(wins)) if not wins.all() else len(order)]
 
+    def _value(self, candidates: np.ndarray) -> np.ndarray:
+        """A missed row's worth, on the scale of :meth:`slot_score`."""
+        return (self.uses[candidates] + 1).astype(np.float64)  # with this batch, not recorded yet
 
-def make_policy(name: str, cache_rows: int, num_rows: int) -> LRU:
-    """The policy called ``name`` ("lru", "lfu" or "auto") for a cache of ``cache_rows`` slots."""
+
+#: A next use that is not in the window (no batch foreseen uses the row).
+NEVER = np.iinfo(np.int64).max
+#: Scores: rows a foreseen batch uses rank above every frequency score (``_FAR - next use``,
+#: exact in float64), rows of a training batch's step just below them.
+_FAR = 2.0**52
+_TRAINING = 2.0**45
+
+
+class Lookahead(LFU):
+    """Belady's rule within the batches ahead, LFU beyond them (NOTE [ The lookahead window ])."""
+
+    name = "lookahead"
+    row_bytes = LFU.row_bytes + 8 + 8 + 2  # next_use, _latest, held
+
+    def __init__(self, cache_rows: int, num_rows: int, window: int = 64) -> None:
+        super().__init__(cache_rows, num_rows)
+        self.window = window
+        #: A hand-off admits its missed rows over rows no foreseen batch uses (set while training).
+        self.training = False
+        self.next_use = np.full(num_rows, NEVER, dtype=np.int64)  # soonest foreseen batch
+        self.held = np.zeros(num_rows, dtype=np.int16)  # rows of handed-out batches not stepped yet
+        self._held: list[np.ndarray] = []
+        self._latest = np.full(num_rows, -1, dtype=np.int64)  # each row's last entry foreseen
+        self._after = np.empty(4096, dtype=np.int64)  # per entry: the next batch using its row
+        self._base = 0  # entry number of _after[0]
+        self._entries = 0  # entries (batch, row) foreseen so far
+        self._batches: deque[tuple[int, np.ndarray, int]] = deque()  # (number, ids, first entry)
+        self._foreseen = 0  # batches foreseen so far: the next one's number
+
+    # ------------------------------------------------------------------ the window
+    def foresee(self, ids: np.ndarray) -> None:
+        """Append a batch to the window: ``ids`` (sorted unique int64) will be handed off after
+        every batch foreseen before it."""
+        number, first = self._foreseen, self._entries
+        self._reserve(len(ids))
+        prev = self._latest[ids]
+        live = prev >= self._front_entry()
+        self._after[prev[live] - self._base] = number  # the row's previous entry now has a next
+        self._after[first - self._base : first - self._base + len(ids)] = NEVER
+        self._latest[ids] = np.arange(first, first + len(ids))
+        self.next_use[ids] = np.minimum(self.next_use[ids], number)
+        self._entries += len(ids)
+        self._foreseen += 1
+        self._batches.append((number, ids, first))
+
+    def advance(self) -> None:
+        """The front batch of the window is being handed off: its rows' next uses move on."""
+        if not self._batches:
+            return
+        _, ids, first = self._batches.popleft()
+        start = first - self._base
+        self.next_use[ids] = self._after[start : start + len(ids)]
+
+    def restart(self) -> None:
+        """Forget the window (a new epoch, or a loader whose order is not known)."""
+        for _, ids, _ in self._batches:
+            self.next_use[ids] = NEVER
+        self._batches.clear()
+        self._base = self._entries  # every entry before is dead: _latest no longer links to it
+
+    @property
+    def foreseen(self) -> int:
+        """Batches in the window."""
+        return len(self._batches)
+
+    def _front_entry(self) -> int:
+        return self._batches[0][2] if self._batches else self._entries
+
+    def _reserve(self, n: int) -> None:
+        if self._entries + n - self._base <= len(self._after):
+            return
+        front = self._front_entry()
+        live = self._after[front - self._base : self._entries - self._base]
+        grown = np.empty(max(len(self._after), 2 * (len(live) + n)), dtype=np.int64)
+        grown[: len(live)] = live
+        self._after, self._base = grown, front
+
+    @property
+    def keeps_batch(self) -> bool:  # type: ignore[override]
+        """A frozen batch has its copy of its rows: they stay only if they are worth it."""
+        return self.training
+
+    # ------------------------------------------------------------------ held rows
+    def hold(self, ids: np.ndarray) -> None:
+        """A training batch was handed out: keep its rows until its optimizer step gathers them
+        (at most the last :data:`MAX_HELD` batches: an evaluation loop that takes no step holds
+        nothing for long)."""
+        self.held[ids] += 1
+        self._held.append(ids)
+        if len(self._held) > MAX_HELD:
+            self.held[self._held.pop(0)] -= 1
+
+    def release(self) -> None:
+        """An optimizer step gathered (pinned) its rows: the batches held so far are done."""
+        for ids in self._held:
+            self.held[ids] -= 1
+        self._held.clear()
+
+    # ------------------------------------------------------------------ the policy
+    def slot_score(self, slot_ids: np.ndarray) -> np.ndarray:
+        score = super().slot_score(slot_ids)
+        occupied = np.flatnonzero(slot_ids >= 0)
+        ids = slot_ids[occupied]
+        due = self.next_use[ids]
+        foreseen = due != NEVER
+        score[occupied[foreseen]] = _FAR - due[foreseen]
+        score[occupied[self.held[ids] > 0]] = np.inf
+        return score
+
+    def _value(self, candidates: np.ndarray) -> np.ndarray:
+        value = np.full(len(candidates), _TRAINING) if self.training else super()._value(candidates)
+        due = self.next_use[candidates]
+        foreseen = due != NEVER
+        value[foreseen] = _FAR - due[foreseen]
+        return value
+
+
+def make_policy(name: str, cache_rows: int, num_rows: int, window: int = DEFAULT_WINDOW) -> LRU:
+    """The policy called ``name`` (one of :data:`POLICIES`) for a cache of ``cache_rows`` slots;
+    ``window``: batches the lookahead policy sees ahead (0: LFU)."""
     if name not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
-    return LRU(cache_rows, num_rows) if name == "lru" else LFU(cache_rows, num_rows)
+    if name == "lru":
+        return LRU(cache_rows, num_rows)
+    if name == "lfu" or window == 0:
+        return LFU(cache_rows, num_rows)
+    return Lookahead(cache_rows, num_rows, window)

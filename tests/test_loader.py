@@ -176,7 +176,8 @@ def test_a_datasets_getitems_is_used_and_a_bad_sample_is_named(tmp_path):
     embedpipe.Table.create(tmp_path / "t.zarr", 10, 4).close()
     good = [{"input_ids": torch.tensor([1, 2], dtype=torch.int32)} for _ in range(5)]
     bad = [*good[:3], {"input_ids": torch.tensor([1, 99])}, *good[3:]]
-    with EmbeddingPipe(tmp_path / "t.zarr", cache_rows=3) as pipe:
+    # lookahead=0: the lookahead reader fetches samples through __getitems__ too
+    with EmbeddingPipe(tmp_path / "t.zarr", cache_rows=3, lookahead=0) as pipe:
         data = Batched(good)
         assert len(list(pipe.loader(data, batch_size=2))) == 3 and data.batches == 3
         with pytest.raises(ValueError, match="sample 3, 'input_ids': id 99 at position 1"):

@@ -1,0 +1,182 @@
+"""The lookahead policy and the stream that feeds it: the window's bookkeeping, rows read against
+Belady's optimum, rows that handed-out and in-flight batches need, and exact training."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import embedpipe
+from embedpipe import simulate
+from embedpipe.cache import RowCache, SharedRows
+from embedpipe.lookahead import Ahead
+from embedpipe.policy import NEVER, Lookahead, make_policy
+
+from .helpers import VOCAB, train_offloaded, train_reference, zipf_dataset
+
+
+def ids(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
+
+
+def test_the_window_tracks_each_rows_next_use():
+    policy = Lookahead(cache_rows=2, num_rows=8, window=4)
+    for batch in (ids(1, 2), ids(2, 3), ids(1, 4)):  # batches 0, 1, 2
+        policy.foresee(batch)
+    assert policy.next_use[[1, 2, 3, 4, 5]].tolist() == [0, 0, 1, 2, NEVER]
+    policy.advance()  # batch 0 handed off: 1 is next used by batch 2, 2 by batch 1
+    assert policy.next_use[[1, 2, 3, 4]].tolist() == [2, 1, 1, 2]
+    policy.advance()
+    assert policy.next_use[[1, 2, 3, 4]].tolist() == [2, NEVER, NEVER, 2]
+    policy.foresee(ids(2))  # batch 3
+    assert policy.next_use[2] == 3
+    policy.restart()
+    assert (policy.next_use == NEVER).all() and policy.foreseen == 0
+    policy.foresee(ids(4))  # after a restart, entries of the old window do not link to it
+    policy.advance()
+    assert policy.next_use[4] == NEVER
+
+
+def test_the_window_survives_growing_its_entry_buffer():
+    rng = np.random.default_rng(0)
+    policy = Lookahead(cache_rows=10, num_rows=5000, window=8)
+    window = []
+    for _ in range(300):
+        batch = np.unique(rng.integers(0, 5000, 600))
+        policy.foresee(batch)
+        window.append(batch)
+        if len(window) > 8:
+            policy.advance()
+            window.pop(0)
+        expected = np.full(5000, NEVER)
+        for n in range(len(window) - 1, -1, -1):
+            expected[window[n]] = policy._foreseen - len(window) + n
+        assert np.array_equal(policy.next_use, expected)
+
+
+@pytest.mark.parametrize("trace", ["zipf", "scan"])
+def test_lookahead_reads_as_few_rows_as_beladys_optimum(trace):
+    rng = np.random.default_rng(1)
+    if trace == "zipf":
+        tokens = np.minimum(rng.zipf(1.1, size=(60 * 16, 32)), 3000) - 1
+    else:  # a scan larger than the cache, over and over: LRU and LFU read every row
+        tokens = np.tile(np.arange(3000).reshape(-1, 50), (3, 1))
+    sets = simulate.batch_sets(tokens, 16)
+    for cache_rows in (30, 150, 600):
+        optimum = simulate.rows_read(sets, 3000, cache_rows, "belady")
+        lookahead = simulate.rows_read(sets, 3000, cache_rows, "auto")
+        lfu = simulate.rows_read(sets, 3000, cache_rows, "lfu")
+        assert lookahead <= 1.01 * optimum, (cache_rows, lookahead, optimum)
+        assert lookahead <= lfu
+
+
+def test_a_real_loader_feeds_the_window_and_reads_the_optimum(tmp_path):
+    rng = np.random.default_rng(2)
+    tokens = np.minimum(rng.zipf(1.1, size=(40 * 8, 16)), 2000) - 1
+    sets = simulate.batch_sets(tokens, 8)
+    embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
+    data = [{"input_ids": torch.from_numpy(row)} for row in tokens]
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100) as pipe:
+        loader = pipe.loader(data, batch_size=8)
+        first = True
+        for batch in loader:
+            if first:  # let the reader fill the window: rows read do not depend on timing
+                deadline = time.monotonic() + 10
+                while pipe._owner.cache.policy.foreseen < 39 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                first = False
+            batch["inputs_embeds"]
+        read = pipe.stats()["rows_read"]
+        assert pipe._owner.stream is None  # the epoch's stream ended with it
+    optimum = simulate.rows_read(sets, 2000, 100, "belady")
+    assert read <= 1.01 * optimum, (read, optimum)
+    assert read < simulate.rows_read(sets, 2000, 100, "lfu")
+
+
+def test_rows_of_a_training_batch_stay_cached_until_its_step():
+    shared = SharedRows(100, 4, 1, np.float32)
+    cache = RowCache(shared, make_policy("auto", 4, 100), lambda i, n: None, lambda i, r, n: None)
+    policy = cache.policy
+    policy.training = True
+    batch = ids(1, 2, 3)
+    cache.admit(batch, np.zeros((3, 1), np.float32))
+    policy.hold(batch)
+    for other in (ids(10, 11, 12), ids(20, 21, 22, 23)):  # later batches, no step yet
+        cache.admit(other, np.zeros((len(other), 1), np.float32))
+        assert (shared.slot_of[batch] >= 0).all()
+    policy.release()  # the step gathered them: they may go now
+    cache.admit(ids(30, 31, 32, 33), np.zeros((4, 1), np.float32))
+    assert (shared.slot_of[batch] < 0).any()
+
+
+def test_rows_of_dispatched_batches_stay_cached_until_they_are_claimed(tmp_path):
+    embedpipe.Table.create(tmp_path / "t.zarr", 100, 2).close()
+    samples = [{"input_ids": torch.tensor([i, i + 1])} for i in range(0, 60, 2)]
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=4) as pipe:
+        owner = pipe._owner
+        order = Ahead(iter([[n] for n in range(len(samples))]), taken=0)
+        stream = owner.start_stream(samples, "input_ids", order, True, in_flight=2)
+        try:
+            deadline = time.monotonic() + 10
+            while owner.cache.policy.foreseen < 10 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            dispatched = [next(order), next(order)]  # batches 0 and 1 go to workers
+            rows = ids(0, 1, 2, 3)
+            with owner.lock:
+                owner.cache.admit(rows, np.zeros((4, 2), np.float32))
+                owner.cache.admit(ids(40, 41, 42, 43), np.zeros((4, 2), np.float32))
+            assert dispatched == [[0], [1]] and (owner.shared.slot_of[rows] >= 0).all()
+            stream.claim(0)
+            stream.claim(1)  # both looked up: their rows are no longer needed soon
+            with owner.lock:
+                owner.cache.admit(ids(40, 41, 42, 43), np.zeros((4, 2), np.float32))
+            assert (owner.shared.slot_of[rows] < 0).all()
+        finally:
+            owner.end_stream(stream)
+
+
+@pytest.mark.parametrize(
+    ("policy", "num_workers"),
+    [("lru", 2), ("lfu", 2), ("lookahead", 0), ("lookahead", 2), ("auto", 2)],
+)
+def test_training_through_every_policy_is_bit_exact(tmp_path, policy, num_workers):
+    data = zipf_dataset(16 * 8)
+    reference, _, _ = train_reference(data, "adagrad", lr=0.5)
+    table, _, stats, _ = train_offloaded(
+        data,
+        "adagrad",
+        lr=0.5,
+        path=tmp_path / "t.zarr",
+        cache_rows=VOCAB // 20,
+        num_workers=num_workers,
+        policy=policy,
+    )
+    assert stats["evictions"] > 0
+    assert torch.equal(table, reference)
+
+
+def test_an_evaluation_loader_inside_an_epoch_leaves_the_window_alone(tmp_path):
+    embedpipe.Table.create(tmp_path / "t.zarr", 50, 2).close()
+    samples = [{"input_ids": torch.tensor([i % 50, (i * 7) % 50])} for i in range(40)]
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=10) as pipe:
+        for n, batch in enumerate(pipe.loader(samples, batch_size=4)):
+            assert pipe._owner.stream is not None
+            owner_stream = pipe._owner.stream
+            if n == 2:
+                for inner in pipe.loader(samples[:8], batch_size=4):
+                    assert torch.equal(inner["inputs_embeds"], inner["inputs_embeds"])
+                assert pipe._owner.stream is owner_stream
+            batch["inputs_embeds"]
+        assert pipe._owner.stream is None
+        for n, _ in enumerate(pipe.loader(samples, batch_size=4)):  # a new epoch after a break
+            if n == 1:
+                break
+        assert pipe._owner.stream is None
+
+
+def test_lookahead_must_be_a_count():
+    with pytest.raises(ValueError, match="lookahead must be an integer >= 0"):
+        embedpipe.EmbeddingPipe("nowhere", cache_rows=1, lookahead=-1)
