@@ -30,6 +30,19 @@ TINY = [
     "--model-batches", "2",
     "--model-repeats", "1",
 ]  # fmt: skip
+#: The cold section's options at its smallest, where this checkout has the section.
+COLD = [
+    "--cold-limit-mib",
+    "64",
+    "--cold-dim",
+    "8",
+    "--cold-batches",
+    "2",
+    "--cold-reads",
+    "16",
+    "--cold-repeats",
+    "1",
+]
 GOALS = ("rows read", "(d) frozen", "(d) train", "(e) train", "cold disk", "peak memory")
 
 
@@ -48,7 +61,8 @@ def run(tmp_path, capsys, *extra: str) -> tuple[dict, str]:
 
 
 def test_every_section_and_target(tmp_path, capsys, words):
-    result, text = run(tmp_path, capsys, "--text", words)
+    cold = COLD if "cold" in [s.NAME for s in benchmark.SECTIONS] else []
+    result, text = run(tmp_path, capsys, "--text", words, *cold)
     assert set(result["sections"]) == {s.NAME for s in benchmark.SECTIONS}
     rows = result["sections"]["rows"]["traces"]
     assert [r["trace"].split()[0] for r in rows] == ["synthetic", "word-level"]

@@ -126,12 +126,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     torch.set_num_threads(1)
     results: dict[str, Any] = {"env": environment(), "args": vars(args), "sections": {}}
-    results["peak_rss"] = {}
+    results["peak_rss"], results["section_seconds"] = {}, {}
     workdir = tempfile.mkdtemp(prefix="embedpipe-bench-", dir=args.dir)
     try:
         for section in SECTIONS:
             if section.NAME not in args.skip:
+                begun = time.perf_counter()
                 results["sections"][section.NAME] = section.run(args, workdir)
+                results["section_seconds"][section.NAME] = time.perf_counter() - begun
                 results["peak_rss"][section.NAME] = memory.peak_rss()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -162,5 +164,6 @@ def markdown(results: dict[str, Any], args: argparse.Namespace, argv: list[str])
     )
     if phases:
         parts.append(f"Peak RSS ({phases}); RSS counts shared memory in every process using it.\n")
-    parts.append(f"Total time: {results['seconds']:.0f} s")
+    took = ", ".join(f"{k} {v:.0f} s" for k, v in results["section_seconds"].items())
+    parts.append(f"Total time: {results['seconds']:.0f} s ({took})")
     return "\n".join(parts)

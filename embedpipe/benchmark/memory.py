@@ -1,10 +1,10 @@
 """Host memory of each way of holding rows, computed from the shapes, and peak RSS so far.
 
-embedpipe's cache costs its rows plus ``slot_id`` and ``version`` (8 bytes each) and two flag
-bytes per slot, plus ``slot_of`` and ``last_updated`` (4 bytes each) per table row; its workers'
-batch ring ``workers x (prefetch_factor + 2) x ring_rows`` rows whatever the cache size. The
-per-worker ``cachetools.LRUCache`` holds each row as a numpy array (its data and ~112 bytes of
-header) plus ~100 bytes of LRU entry, in every worker.
+embedpipe's pipe as :func:`embedpipe.budget.pipe_memory` counts it (the frozen pipe of policy
+"auto": cached rows, per-slot bookkeeping, the per-table-row index) and its workers' batch ring
+(``workers x (prefetch_factor + 2) x ring_rows`` rows whatever the cache size). The per-worker
+``cachetools.LRUCache`` holds each row as a numpy array (its data and ~112 bytes of header) plus
+~100 bytes of LRU entry, in every worker.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ import argparse
 import resource
 from typing import Any
 
-from ..loader import DEFAULT_RING_ROWS
+from ..budget import pipe_memory
 from . import report as md
 
 NAME = "memory"
-PREFETCH_FACTOR = 2  # the DataLoader's default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,16 +25,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     row = args.dim * 4  # float32
-    ring = args.workers * (PREFETCH_FACTOR + 2) * min(args.vocab, DEFAULT_RING_ROWS) * row
     sizes = []
     for frac in [*args.cache_fracs, 1.0]:
         c = max(1, round(frac * args.vocab))
+        pipe = pipe_memory(args.vocab, args.dim, "float32", c, num_workers=args.workers)
         sizes.append(
             {
                 "frac": frac,
                 "cache_rows": c,
-                "embedpipe": c * (row + 16 + 2) + args.vocab * 8,
-                "embedpipe_ring": ring,
+                "embedpipe": pipe["total"] - pipe["ring"],
+                "embedpipe_ring": pipe["ring"],
                 "worker_lru": args.workers * c * (row + 212),
             }
         )
@@ -53,9 +52,10 @@ def peak_rss() -> dict[str, float]:
 def report(result: dict[str, Any], args: argparse.Namespace) -> str:
     head = (
         f"### Memory (table {md.mib(result['table'])}: {args.vocab:,} x {args.dim} float32)\n\n"
-        "Computed from the shapes: embedpipe's cache (rows, slot ids, versions, flags, and 8 "
-        "bytes per table row for its index), the batch ring of its workers (prefetch factor 2), "
-        "and a per-worker cachetools LRU of the same size in every worker.\n"
+        "Computed from the shapes: embedpipe's frozen pipe (cached rows, per-slot bookkeeping, "
+        "the per-table-row index, as `embedpipe.budget.pipe_memory` counts them), the batch "
+        "ring of its workers (prefetch factor 2), and a per-worker cachetools LRU of the same "
+        "size in every worker.\n"
     )
     header = [
         "cache (rows)",

@@ -39,7 +39,7 @@ from .options import fraction, integer
 from .traces import zipf_trace
 
 NAME = "model"
-QUICK = {"model_hidden": 64, "model_batches": 4, "model_repeats": 3}
+QUICK = {"model_batches": 8, "model_repeats": 3}
 WAYS = ("pipe", "sparse", "dense")
 
 

@@ -52,7 +52,7 @@ from .report import target
 from .traces import Trace, TraceDataset, table_path, zipf_trace
 
 NAME = "throughput"
-QUICK = {"tput_batches": 20, "repeats": 3, "min_time": 0.1, "train_batches": 4, "train_repeats": 3}
+QUICK = {"tput_batches": 20, "repeats": 5, "min_time": 0.2, "train_batches": 8, "train_repeats": 5}
 #: The ``pipe.stats()`` counters kept per variant (over its timed passes).
 COUNTERS = ("batches", "hits", "misses", "rows_read", "rows_written", "evictions", "refreshed")
 #: (variant prefix, goal) of the targets: the ratio to the baseline must reach the goal.
