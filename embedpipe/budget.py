@@ -107,13 +107,21 @@ def fixed_memory(num_rows: int, dim: int, dtype: Any, **options: Any) -> int:
 
 
 def largest_cache(budget: int, num_rows: int, dim: int, dtype: Any, **options: Any) -> int:
-    """The most ``cache_rows`` whose :func:`pipe_memory` total fits in ``budget`` bytes (0 if
-    not even an empty cache fits; ``num_rows`` if the whole table does)."""
-    per_row = pipe_memory(num_rows, dim, dtype, 1, **options)["total"] - fixed_memory(
-        num_rows, dim, dtype, **options
-    )
-    room = budget - fixed_memory(num_rows, dim, dtype, **options)
-    return max(0, min(int(num_rows), room // per_row))
+    """The most ``cache_rows`` whose :func:`pipe_memory` total fits in ``budget`` bytes
+    (``num_rows`` if the whole table does); ``options`` as :func:`pipe_memory` takes them.
+
+    Raises ValueError if not even an empty cache fits (the index and the ring).
+    """
+    fixed = fixed_memory(num_rows, dim, dtype, **options)
+    if budget < fixed:
+        workers = options.get("num_workers", 0)
+        raise ValueError(
+            f"a memory budget of {format_bytes(budget)} cannot hold even what a pipe over "
+            f"{num_rows:,} rows costs at any cache size ({format_bytes(fixed)}: the per-row "
+            f"index and the ring of {workers} workers); give it more memory or fewer workers"
+        )
+    per_row = pipe_memory(num_rows, dim, dtype, 1, **options)["total"] - fixed
+    return min(int(num_rows), (budget - fixed) // per_row)
 
 
 # ----------------------------------------------------------------------------- what there is

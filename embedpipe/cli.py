@@ -14,15 +14,25 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import __version__
+from tqdm.auto import tqdm
+
+from . import __version__, budget, simulate
 from .convert import DTYPES, ConvertedShard, convert
 from .errors import EmbedpipeError
+from .optim import Adagrad, Adam
 from .table import COMPRESSORS, Table
 from .tensorfiles import export_table, import_table
 
 #: Exceptions that mean "the input (or the disk) was wrong", reported in one line without a
-#: traceback. OSError covers missing, existing and unwritable files, and a full disk.
-USER_ERRORS = (EmbedpipeError, OSError, ValueError, KeyError)
+#: traceback. OSError covers missing, existing and unwritable files, and a full disk;
+#: ImportError an optional extra that is not installed (the message names it).
+USER_ERRORS = (EmbedpipeError, OSError, ValueError, KeyError, ImportError)
+#: Optimizer state arrays per table row (embedpipe.optim), for the memory a pipe costs.
+STATE_ARRAYS = {
+    "sgd": 0,
+    "adagrad": len(Adagrad(lr=1.0).state_init()),
+    "adam": len(Adam().state_init()),
+}
 
 
 def cmd_import(args: argparse.Namespace) -> None:
@@ -97,6 +107,133 @@ def cmd_convert(args: argparse.Namespace) -> None:
         f"converted {args.shard} into {out}: inputs_embeds [{r['num_rows']}, {r['length']}, "
         f"{r['dim']}] {r['dtype']} in {seconds:.1f} s"
     )
+
+
+def cmd_advise(args: argparse.Namespace) -> None:
+    if args.table is not None:
+        with Table.open(args.table, "r") as table:
+            num_rows, dim, dtype = table.num_rows, table.dim, table.dtype
+    elif args.num_rows is None or args.dim is None:
+        raise ValueError("give the table's shape: --table PATH, or --num-rows N and --dim D")
+    else:
+        num_rows, dim, dtype = args.num_rows, args.dim, args.dtype
+    memory = budget.parse_bytes(args.memory) if args.memory else budget.available_memory()
+    if memory is None:
+        raise ValueError("cannot tell how much memory this machine has; pass --memory (as 512MB)")
+    if args.png:
+        simulate.matplotlib()  # a missing matplotlib fails now, not after the simulation
+    ids = simulate.load_trace(args.trace, num_rows)
+    sets = simulate.batch_sets(ids, args.batch_size)
+    sizes = [parse_cache_size(text, num_rows) for text in args.sizes] if args.sizes else None
+    state_arrays = STATE_ARRAYS[args.optimizer]
+    best = budget.largest_cache(
+        memory, num_rows, dim, dtype, state_arrays=state_arrays, num_workers=args.workers
+    )
+    replays = len({*(sizes or simulate.advice_sizes(num_rows)), best}) * len(simulate.POLICIES)
+    with tqdm(total=replays + 8, desc="simulating", unit="run") as bar:  # + 8: the knee's
+
+        def progress(policy: str, cache_rows: int) -> None:
+            bar.set_postfix_str(f"{policy} at {cache_rows:,} rows")
+            bar.update()
+
+        advice = simulate.advise(
+            sets,
+            num_rows,
+            dim,
+            dtype,
+            memory,
+            cache_sizes=sizes,
+            state_arrays=state_arrays,
+            workers=args.workers,
+            window=args.window,
+            progress=progress,
+        )
+        bar.total = bar.n  # the knee took fewer, or more
+    print(format_advice(advice, args))
+    if args.png:
+        simulate.plot_curve(advice, args.png)
+        print(f"\nmiss-ratio curve drawn in {args.png}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(advice, f, indent=1)
+
+
+def format_advice(advice: dict, args: argparse.Namespace) -> str:
+    """What ``embedpipe advise`` prints: the curve as a table, then the recommendation."""
+    curve, num_rows, fmt = advice["curve"], advice["num_rows"], budget.format_bytes
+    best, knee = advice["recommended"], advice["knee"]
+    policies = list(curve["rows_read"])
+    header = ["cache rows", "% of table", "memory", *policies]
+    rows = []
+    for i, size in enumerate(curve["cache_rows"]):
+        optimum = max(1, curve["rows_read"]["belady"][i])
+        cells = [
+            f"{size:,}" + (" *" if size == best["cache_rows"] else ""),
+            f"{100 * size / num_rows:.1f}%",
+            fmt(advice["memory"][i]),
+        ]
+        cells += [f"{r[i]:,} ({r[i] / optimum:.2f}x)" for r in curve["rows_read"].values()]
+        rows.append(cells)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines = [
+        f"{curve['batches']:,} batches of {args.batch_size} samples from {args.trace}: "
+        f"{curve['lazy']:,} rows read with no cache. Rows read from disk over the trace (one "
+        f"epoch, cold cache) per policy, and the ratio to the optimum (belady); memory: the "
+        f"whole pipe with {advice['workers']} workers and {args.optimizer} ({advice['dtype']} "
+        f"rows of {advice['dim']}).",
+        "",
+        "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)),
+        *("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows),
+        "",
+    ]
+    parts = ", ".join(f"{k} {fmt(v)}" for k, v in best["memory"].items() if k != "total")
+    saved = 1 - best["rows_read"] / max(1, curve["lazy"])
+    lines.append(
+        f"recommended (*): cache_rows={best['cache_rows']:,} "
+        f"({100 * best['cache_rows'] / num_rows:.1f}% of {num_rows:,} rows), the largest that fits "
+        f"{fmt(advice['memory_budget'])} ({advice['memory_budget']:,} bytes): "
+        f"{fmt(best['memory']['total'])} ({parts}); "
+        f"{simulate.DEFAULT_POLICY} reads {best['rows_read']:,} rows, "
+        f"{best['rows_read'] / max(1, best['optimum']):.2f}x the optimum, {saved:.0%} fewer than "
+        "no cache"
+    )
+    within = f"within {simulate.KNEE_TOLERANCE:.0%} of that ({knee['rows_read']:,} rows)"
+    if knee["cache_rows"] < best["cache_rows"]:
+        lines.append(
+            f"knee: cache_rows={knee['cache_rows']:,} "
+            f"({fmt(knee['memory']['total'])}) already reads {within}: "
+            "more memory than that buys few rows"
+        )
+    else:
+        lines.append(f"knee: no smaller cache reads {within}: more memory still pays")
+    return "\n".join(lines)
+
+
+def parse_cache_size(text: str, num_rows: int) -> int:
+    """``--sizes`` items: a row count (``3000``) or a share of the table (``5%``)."""
+    try:
+        share = text.endswith("%")
+        value = round(float(text[:-1]) / 100 * num_rows) if share else int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(
+            f"--sizes: cannot read {text!r} as a cache size; write rows (3000) or a share (5%)"
+        )
+    return min(value, num_rows)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        from .benchmark import main as bench_main
+    except ModuleNotFoundError as e:
+        if e.name is None or not e.name.startswith("embedpipe"):
+            raise
+        raise ImportError(
+            "embedpipe bench needs the embedpipe.benchmark package, which this installation lacks; "
+            "run python scripts/bench.py from a checkout"
+        ) from None
+    return bench_main(args.args)
 
 
 def table_info(table: Table) -> dict[str, object]:
@@ -209,6 +346,57 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(run=cmd_convert)
 
+    p = commands.add_parser(
+        "advise",
+        help="rows read per cache size and policy on a trace, and the cache size for a memory budget",
+    )
+    p.add_argument(
+        "--trace", required=True, help=".npy of token ids, (samples, seq_len) or (samples,)"
+    )
+    p.add_argument("--table", help="table folder (gives the rows, width and dtype)")
+    p.add_argument("--num-rows", type=positive_int, help="rows in the table (without --table)")
+    p.add_argument("--dim", type=positive_int, help="row width (without --table)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "float64"],
+        default="float32",
+        help="row dtype (without --table; default float32)",
+    )
+    p.add_argument(
+        "--memory",
+        help="memory budget, as 512MB or 2GiB (default: what this process has available)",
+    )
+    p.add_argument("--batch-size", type=positive_int, default=32, help="samples per batch")
+    p.add_argument(
+        "--workers", type=int, default=2, help="DataLoader workers (the ring, the LRU baselines)"
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=list(STATE_ARRAYS),
+        default="sgd",
+        help="the table's optimizer, for its state's memory (sgd, or a frozen table: none)",
+    )
+    p.add_argument(
+        "--window", type=positive_int, default=64, help="batches the lookahead policy sees ahead"
+    )
+    p.add_argument(
+        "--sizes",
+        nargs="+",
+        metavar="SIZE",
+        help="cache sizes to simulate, rows (3000) or shares (5%%) (default: 1-2-5%% up to 100%%)",
+    )
+    p.add_argument("--png", help="also draw the miss-ratio curve into this image file")
+    p.add_argument("--json", help="also write the curve and the advice as JSON to this file")
+    p.set_defaults(run=cmd_advise)
+
+    p = commands.add_parser(
+        "bench",
+        help="the side-by-side benchmark (embedpipe bench --help lists its options)",
+        add_help=False,  # --help goes to the benchmark
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's arguments")
+    p.set_defaults(run=cmd_bench)
+
     p = commands.add_parser("demo", help="create a table in a temporary folder and describe it")
     p.add_argument(
         "--rows", type=positive_int, default=30522, help="rows (default: BERT-base's vocabulary)"
@@ -219,9 +407,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "bench":  # every option, --help too, is the benchmark's
+        args.args = extra + args.args
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        args.run(args)
+        code = args.run(args)
     except USER_ERRORS as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"embedpipe: error: {message}", file=sys.stderr)
@@ -229,7 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("embedpipe: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

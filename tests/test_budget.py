@@ -76,7 +76,9 @@ def test_largest_cache_fits_and_one_more_row_does_not():
         assert pipe_memory(30522, 128, "float32", c, **options)["total"] <= budget_bytes
         if c < 30522:
             assert pipe_memory(30522, 128, "float32", c + 1, **options)["total"] > budget_bytes
-    assert largest_cache(fixed - 1, 30522, 128, "float32", **options) == 0
+    assert largest_cache(fixed, 30522, 128, "float32", **options) == 0
+    with pytest.raises(ValueError, match="cannot hold even what a pipe over 30,522 rows costs"):
+        largest_cache(fixed - 1, 30522, 128, "float32", **options)
     assert largest_cache(10**12, 30522, 128, "float32", **options) == 30522
 
 
