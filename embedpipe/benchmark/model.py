@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
@@ -36,7 +35,7 @@ from .. import hf, optim
 from ..pipe import EmbeddingPipe
 from . import report as md
 from .options import fraction, integer
-from .traces import zipf_trace
+from .traces import TraceDataset, zipf_trace
 
 NAME = "model"
 QUICK = {"model_batches": 8, "model_repeats": 3}
@@ -58,17 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-class Labelled(Dataset):
+class Labelled(TraceDataset):
     """One sequence per sample with a label (its first id's parity): what a classifier trains on."""
 
-    def __init__(self, ids: np.ndarray) -> None:
-        self.ids = torch.from_numpy(np.ascontiguousarray(ids))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i, 0] % 2}
+        return {**super().__getitem__(i), "labels": self.ids[i, 0] % 2}
 
 
 def bert(args: argparse.Namespace, sparse: bool) -> torch.nn.Module:
@@ -179,6 +172,7 @@ def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
         "vs_sparse": md.quartiles([p / s for p, s in zip(rates["pipe"], rates["sparse"])]),
         "vs_dense": md.quartiles([p / d for p, d in zip(rates["pipe"], rates["dense"])]),
         "hit_rate": stats["hits"] / max(1, stats["hits"] + stats["misses"]),
+        "table_steps": stats["steps"],  # one per pipe batch: AdamW's step stepped the table
     }
 
 
