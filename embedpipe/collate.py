@@ -57,13 +57,16 @@ class PadCollator:
         for field in samples[0]:
             values = [s[field] for s in samples]
             key = "labels" if self.hf_labels and field in ("label", "label_ids") else field
+            if _same_shape_tensors(values):  # nothing to pad: one copy, not one per sample
+                batch[key] = torch.stack(values)
+                continue
             if not all(_is_sequence(v) for v in values):
                 batch[key] = default_collate(values)
                 continue
             rows = [torch.as_tensor(v) for v in values]
             length = max(len(r) for r in rows)
             if all(len(r) == length and r.dtype == rows[0].dtype for r in rows):
-                batch[key] = torch.stack(rows)  # nothing to pad: one copy, not one per sample
+                batch[key] = torch.stack(rows)
                 continue
             pad = self._pad_id(rows, length) if key == self.ids_key else PAD_VALUES.get(key, 0)
             stacked = rows[0].new_full((len(rows), length), pad)
@@ -91,6 +94,17 @@ class PadCollator:
 
     def __repr__(self) -> str:
         return f"PadCollator(pad_id={self.pad_id}, ids_key={self.ids_key!r})"
+
+
+def _same_shape_tensors(values: list[Any]) -> bool:
+    """1-D tensors of one shape and dtype (the common case, checked cheaply)."""
+    first = values[0]
+    if not isinstance(first, torch.Tensor) or first.dim() != 1:
+        return False
+    shape, dtype = first.shape, first.dtype
+    return all(
+        isinstance(v, torch.Tensor) and v.shape == shape and v.dtype == dtype for v in values
+    )
 
 
 def _is_sequence(value: Any) -> bool:

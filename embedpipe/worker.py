@@ -223,16 +223,22 @@ class CheckedIterable(IterableDataset):
 def check_samples(samples: list[Any], indices: list[Any], ids_key: str, num_rows: int) -> None:
     """Check every sample's ids as :func:`check_sample` does; when they are all integer tensors,
     with one range check over the batch, looking for the sample to name only if it fails."""
-    ids = [s[ids_key] for s in samples if isinstance(s, Mapping) and ids_key in s]
-    if len(ids) == len(samples) and all(
-        isinstance(i, torch.Tensor) and i.dtype in (torch.int64, torch.int32) and i.numel()
+    try:  # the fast path only returns early: anything it cannot check goes sample by sample
+        ids = [s[ids_key] for s in samples]
+    except (KeyError, IndexError, TypeError):
+        ids = []
+    if ids and all(
+        isinstance(i, torch.Tensor) and i.dtype in _TENSOR_IDS and i.dim() == 1 and len(i)
         for i in ids
     ):
-        low, high = torch.aminmax(torch.cat([i.reshape(-1) for i in ids]))
+        low, high = torch.aminmax(torch.cat(ids))
         if int(low) >= 0 and int(high) < num_rows:
             return
     for index, sample in zip(indices, samples):
         check_sample(sample, ids_key, num_rows, f"sample {index}")
+
+
+_TENSOR_IDS = (torch.int64, torch.int32)
 
 
 def check_sample(sample: Any, ids_key: str, num_rows: int, where: str) -> Any:
