@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_convert
 
+from . import budget
 from .batch import EmbeddedBatch
 from .collate import PadCollator
 from .errors import WorkerDiedError
@@ -105,6 +106,16 @@ class PipeLoader(DataLoader):
             # unclaimed one ahead (ring.py's NOTE)
             depth = (dataloader_kwargs.get("prefetch_factor") or 2) + 2
             rows = ring_rows or min(table.num_rows, DEFAULT_RING_ROWS)
+            size = budget.pipe_memory(
+                table.num_rows,
+                table.dim,
+                table.dtype,
+                0,
+                num_workers=num_workers,
+                prefetch_factor=depth - 2,
+                ring_rows=rows,
+            )["ring"]
+            budget.warn_if_too_big(size, f"the batch ring of {num_workers} workers", stacklevel=4)
             ring = BatchRing(num_workers, depth, rows, table.dim, table.dtype)
         if collate_fn is None:  # as the DataLoader: no batching, no stacking, but pad ragged ids
             unbatched = batch_size is None and "batch_sampler" not in dataloader_kwargs

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from . import budget
 from .checkpoints import Checkpoint
 from .errors import DistributedNotSupportedError, InvalidRowsError, TableExistsError
 from .hf import offloaded_embeddings
@@ -110,6 +111,11 @@ class EmbeddingPipe:
                 if optimizer is not None:
                     _prepare_table(table, optimizer, keep)
                 cache_rows = min(int(cache_rows), table.num_rows)
+                states = len(optimizer.state_init()) if optimizer is not None else 0
+                needed = budget.pipe_memory(
+                    table.num_rows, table.dim, table.dtype, cache_rows, state_arrays=states
+                )
+                budget.warn_if_too_big(needed["total"], f"EmbeddingPipe(cache_rows={cache_rows:,})")
                 options = dict(
                     consistency=consistency,
                     max_staleness=max_staleness,
