@@ -176,7 +176,8 @@ def format_advice(advice: dict, args: argparse.Namespace) -> str:
         rows.append(cells)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     lines = [
-        f"{curve['batches']:,} batches of {args.batch_size} samples from {args.trace}: "
+        f"{curve['batches']:,} batches of {args.batch_size} samples from {args.trace} (at most "
+        f"{advice['max_unique']:,} unique ids a batch): "
         f"{curve['lazy']:,} rows read with no cache. Rows read from disk over the trace (one "
         f"epoch, cold cache) per policy, and the ratio to the optimum (belady); memory: the "
         f"whole pipe with {advice['workers']} workers and {args.optimizer} ({advice['dtype']} "

@@ -391,6 +391,7 @@ def advise(
         "workers": workers,
         "window": window,
         "state_arrays": state_arrays,
+        "max_unique": max((len(u) for u in sets), default=0),  # ring_rows this trace needs
         "curve": curve,
         "memory": [budget.pipe_memory(num_rows, dim, dtype, c, **options)["total"] for c in sizes],
         "recommended": recommended,

@@ -81,7 +81,7 @@ def test_the_command_prints_the_table_and_writes_json_and_png(trace, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "simulating" in result.stderr  # the progress bar; results on stdout
     lines = result.stdout.splitlines()
-    assert lines[0].startswith(f"50 batches of {BATCH} samples from {path}")
+    assert lines[0].startswith(f"50 batches of {BATCH} samples from {path} (at most ")
     advice = json.loads(out_json.read_text())
     best = advice["recommended"]["cache_rows"]
     table = [line for line in lines if line.strip().startswith(f"{best:,} *")]
@@ -90,6 +90,7 @@ def test_the_command_prints_the_table_and_writes_json_and_png(trace, tmp_path):
     assert any(line.startswith("knee: ") for line in lines)
     assert advice["state_arrays"] == 1 and advice["memory_budget"] == 900_000
     sets = batch_sets(ids, BATCH)
+    assert advice["max_unique"] == max(len(u) for u in sets)
     assert advice["curve"]["rows_read"]["lru"][0] == rows_read(
         sets, NUM_ROWS, advice["curve"]["cache_rows"][0], "lru"
     )
