@@ -117,6 +117,8 @@ def cmd_advise(args: argparse.Namespace) -> None:
         raise ValueError("give the table's shape: --table PATH, or --num-rows N and --dim D")
     else:
         num_rows, dim, dtype = args.num_rows, args.dim, args.dtype
+    if args.workers < 0:
+        raise ValueError(f"--workers must be 0 or more, got {args.workers}")
     memory = budget.parse_bytes(args.memory) if args.memory else budget.available_memory()
     if memory is None:
         raise ValueError("cannot tell how much memory this machine has; pass --memory (as 512MB)")

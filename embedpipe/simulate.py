@@ -30,7 +30,6 @@ million id uses).
 from __future__ import annotations
 
 import heapq
-import inspect
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -155,7 +154,7 @@ def replay_pipe(
     shared = SharedRows(num_rows, cache_rows, 1, np.float32)
     cache = RowCache(
         shared,
-        make_policy(policy, cache_rows, num_rows, window=window),
+        policies.make_policy(policy, cache_rows, num_rows, window=window),
         fetch=lambda ids, name: np.zeros((len(ids), 1), np.float32),
         store=lambda ids, rows, name: None,
     )
@@ -174,13 +173,6 @@ def replay_pipe(
             advance()  # the hand-off of batch t: its rows' next uses move past it
         cache.admit(u, rows)
     return misses + cache.counts["rows_read"]
-
-
-def make_policy(name: str, cache_rows: int, num_rows: int, *, window: int = 64) -> Any:
-    """``embedpipe.policy.make_policy``, given ``window`` when it takes one (lookahead)."""
-    if "window" in inspect.signature(policies.make_policy).parameters:
-        return policies.make_policy(name, cache_rows, num_rows, window=window)
-    return policies.make_policy(name, cache_rows, num_rows)
 
 
 # ----------------------------------------------------------------------------- per-worker LRU

@@ -124,6 +124,7 @@ def test_the_table_gives_the_shape(trace, tmp_path):
         ("ok", ["--memory", "1kB"], "cannot hold even what a pipe"),
         ("ok", ["--table", "{dir}/none.zarr"], "no table at"),
         ("ok", ["--num-rows", None], "give the table's shape"),
+        ("ok", ["--workers", "-1"], "--workers must be 0 or more, got -1"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, make, args, message):
