@@ -4,8 +4,8 @@ The main process is where a GPU's kernels are launched from, so every millisecon
 batch (receiving it, copying its rows out of the ring, the hand-off's refresh and admission,
 building ``inputs_embeds``) is a millisecond the accelerator may wait. This script times each
 stage of the loader, for ``num_workers`` 0 and ``--workers``, at a cache of ``--cache-frac`` of
-the table and at the whole table, on a Zipf-like trace (batches of ``--batch-size`` x
-``--seq-len`` tokens, as ``scripts/bench.py``)::
+the table and at the whole table, on the benchmark's Zipf trace and table (``embedpipe bench``'s
+options of the same names)::
 
     python scripts/profile_handoff.py
     python scripts/profile_handoff.py --cprofile      # also the top functions, num_workers=0
@@ -28,7 +28,6 @@ import cProfile
 import functools
 import importlib
 import multiprocessing
-import os
 import pstats
 import statistics
 import sys
@@ -42,6 +41,7 @@ import torch
 from torch.utils.data import Dataset
 
 import embedpipe
+from embedpipe.benchmark.traces import TraceDataset, table_path, zipf_trace
 
 #: (label, "module:attribute path") of every timed stage, outermost first. Labels that start with
 #: "main" run in the main process, "worker" in a worker (or in the main process with no workers);
@@ -54,8 +54,8 @@ STAGES = (
     ("    admission", "embedpipe.cache:RowCache.admit"),
     ("main: receive (unpickle)", "multiprocessing.reduction:ForkingPickler.loads"),
     ("main: inputs_embeds", "embedpipe.batch:EmbeddedBatch.__getitem__"),
-    ("worker: samples + id checks", "embedpipe.worker:CheckedDataset.__getitem__"),
-    ("worker: samples + id checks ", "embedpipe.worker:CheckedDataset.__getitems__"),
+    ("worker: samples, checked one by one", "embedpipe.worker:CheckedDataset.__getitem__"),
+    ("worker: samples, checked as a batch", "embedpipe.worker:CheckedDataset.__getitems__"),
     ("worker: lookup", "embedpipe.worker:Lookup.__call__"),
     ("  collate", "embedpipe.collate:PadCollator.__call__"),
     ("  batch id check", "embedpipe.worker:as_ids"),
@@ -118,23 +118,6 @@ class Timers:
         return timed
 
 
-class Trace(Dataset):
-    """One sequence per sample: ``{"input_ids": (seq_len,) int64}``, Zipf-like ids."""
-
-    def __init__(self, vocab: int, samples: int, seq_len: int, zipf: float, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        ranks = rng.zipf(zipf, size=samples * seq_len * 2)
-        ranks = ranks[ranks <= vocab][: samples * seq_len] - 1
-        ids = rng.permutation(vocab)[ranks]  # popular rows spread over the table
-        self.ids = torch.from_numpy(ids.reshape(samples, seq_len).astype(np.int64))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i]}
-
-
 def in_ram(loader: Any, embedding: torch.nn.Embedding) -> float:
     """One pass of the plain loader + nn.Embedding: seconds per batch."""
     start = time.perf_counter()
@@ -166,11 +149,9 @@ def profile_pass(loader: Any, timers: Timers) -> tuple[float, float, np.ndarray]
 
 
 def run(args: argparse.Namespace, folder: str) -> None:
-    table_path = os.path.join(folder, "table.zarr")
-    embedpipe.Table.create(table_path, args.vocab, args.dim).close()
-    weight = embedpipe.Table.open(table_path).to_tensor()
-    embedding = torch.nn.Embedding.from_pretrained(weight, freeze=True)
-    data = Trace(args.vocab, args.batches * args.batch_size, args.seq_len, args.zipf, args.seed)
+    table = table_path(args, folder)  # the bench's table and trace, with these options
+    embedding = torch.nn.Embedding.from_pretrained(embedpipe.Table.open(table).to_tensor())
+    data = TraceDataset(zipf_trace(args, args.batches).ids)
     timers = Timers()
     columns = []
     for workers in (0, args.workers):
@@ -180,7 +161,7 @@ def run(args: argparse.Namespace, folder: str) -> None:
             rows = max(1, round(frac * args.vocab))
             timers.install()  # before the workers fork
             try:
-                with embedpipe.EmbeddingPipe(table_path, cache_rows=rows) as pipe:
+                with embedpipe.EmbeddingPipe(table, cache_rows=rows) as pipe:
                     loader = pipe.loader(data, batch_size=args.batch_size, **kw)
                     profile_pass(loader, timers)  # warm-up: workers started, cache filled
                     in_ram(plain, embedding)
@@ -200,7 +181,7 @@ def run(args: argparse.Namespace, folder: str) -> None:
         del plain
     print_table(columns, args)
     if args.cprofile:
-        print_cprofile(data, table_path, args)
+        print_cprofile(data, table, args)
 
 
 def print_table(columns: list[tuple], args: argparse.Namespace) -> None:
@@ -232,7 +213,7 @@ def print_table(columns: list[tuple], args: argparse.Namespace) -> None:
             total = stages[0, n] if in_main or not c[0] else stages[1:, n].sum()
             values.append(f"{total * us:,.0f}" if total else "-")
         if any(v != "-" for v in values):
-            line(label.rstrip(), values)
+            line(label, values)
     line("batches/s vs in RAM (median)", [f"{c[5]:.2f}x" for c in columns])
     print(
         "\nWorker stages are summed over the workers: CPU time a batch costs them, which runs "
@@ -240,9 +221,9 @@ def print_table(columns: list[tuple], args: argparse.Namespace) -> None:
     )
 
 
-def print_cprofile(data: Dataset, table_path: str, args: argparse.Namespace) -> None:
+def print_cprofile(data: Dataset, table: str, args: argparse.Namespace) -> None:
     rows = max(1, round(args.cache_frac * args.vocab))
-    with embedpipe.EmbeddingPipe(table_path, cache_rows=rows) as pipe:
+    with embedpipe.EmbeddingPipe(table, cache_rows=rows) as pipe:
         loader = pipe.loader(data, batch_size=args.batch_size)
         for batch in loader:  # warm-up
             batch["inputs_embeds"]
@@ -252,7 +233,7 @@ def print_cprofile(data: Dataset, table_path: str, args: argparse.Namespace) -> 
             for batch in loader:
                 batch["inputs_embeds"]
         profile.disable()
-    print(f"\n### cProfile, num_workers=0, cache {args.cache_frac:.0%} (top 25, cumulative)\n")
+    print(f"\n### cProfile, num_workers=0, cache {args.cache_frac:.0%} (top 25 by own time)\n")
     pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(25)
 
 
