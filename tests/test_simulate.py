@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -139,30 +140,40 @@ def test_miss_ratio_curve():
 
 
 class TraceDataset(torch.utils.data.Dataset):
-    """One sequence of the trace per sample. The loader's fetch (``__getitem__``) waits a little,
-    the lookahead reader's (``__getitems__``) does not: the reader has foreseen the whole trace
-    (shorter than the window) before the first hand-off, as the simulator assumes, whatever the
-    machine's load. With a trace longer than the window the pipe's reader thread races the loop
-    for the last batch of the window, so a real run may read a few rows more or fewer."""
+    """One sequence of the trace per sample. With ``wait``, the loader's first fetch (in the main
+    thread: ``num_workers=0``) waits until the lookahead reader (its own thread) has read the
+    last batch: the policy then knows the whole trace (shorter than its window) from the first
+    hand-off on, as the simulator assumes, however loaded the machine is. (With a trace longer
+    than the window the pipe's reader thread races the loop for the window's last batch, so a
+    real run may read a few rows more or fewer: docs/tuning.md.)"""
 
-    def __init__(self, ids: np.ndarray) -> None:
+    def __init__(self, ids: np.ndarray, wait: bool) -> None:
         self.ids = torch.from_numpy(ids)
+        self.read_all = threading.Event()
+        self.wait = wait
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        time.sleep(0.002)
         return {"input_ids": self.ids[i]}
 
     def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
-        return [{"input_ids": self.ids[i]} for i in indices]
+        if threading.current_thread() is not threading.main_thread():  # the lookahead reader
+            if len(self) - 1 in indices:
+                self.read_all.set()
+        elif self.wait:  # the loader
+            assert self.read_all.wait(timeout=60), "the lookahead reader never read the last batch"
+            time.sleep(0.05)  # its ids reach the policy under the owner's lock
+            self.wait = False
+        return [self[i] for i in indices]
 
 
 def pipe_rows_read(path, ids: np.ndarray, batch_size: int, cache_rows: int, policy: str) -> int:
     """A real EmbeddingPipe (frozen, num_workers=0) over the trace: its ``stats()["rows_read"]``."""
     with embedpipe.EmbeddingPipe(path, cache_rows=cache_rows, policy=policy) as pipe:
-        for batch in pipe.loader(TraceDataset(ids), batch_size=batch_size):
+        dataset = TraceDataset(ids, wait=pipe._owner.looks_ahead)
+        for batch in pipe.loader(dataset, batch_size=batch_size):
             batch["inputs_embeds"]
         return pipe.stats()["rows_read"]
 
