@@ -146,9 +146,10 @@ def replay_pipe(
 
     For each batch t: the lookup copies hits out of :class:`SharedRows` and counts the misses (as
     ``worker.Lookup``), then the hand-off admits the batch (``RowCache.admit``, as
-    ``Owner.hand_off``). A policy that looks ahead (one with ``foresee``) has been shown batches
-    t .. t + window - 1 by the hand-off of batch t, and moves past batch t (``advance``) before
-    it admits the batch's misses. Rows the cache reads itself (a prefetch)
+    ``Owner.hand_off``). A policy that looks ahead (one with ``foresee``) knows the next
+    ``window`` batches, t + 1 .. t + window, by the hand-off of batch t: it moved past batch t
+    (``advance``) when the loader drew it, and its reader then foresaw batch t + window (as
+    ``lookahead.py`` does once its reader thread has caught up). Rows the cache reads itself (a prefetch)
     count too, as ``stats()["rows_read"]`` counts them. Rows are one float wide; no disk.
     """
     shared = SharedRows(num_rows, cache_rows, 1, np.float32)
@@ -159,19 +160,18 @@ def replay_pipe(
         store=lambda ids, rows, name: None,
     )
     foresee = getattr(cache.policy, "foresee", None)
-    advance = getattr(cache.policy, "advance", None)
     if foresee is not None:
-        for u in sets[: window - 1]:
+        for u in sets[:window]:
             foresee(u)
     misses = 0
     for t, u in enumerate(sets):
-        if foresee is not None and t + window - 1 < len(sets):
-            foresee(sets[t + window - 1])  # the window: batches t .. t + window - 1
         rows, hit = shared.read(u)  # the lookup
         misses += len(u) - int(hit.sum())
-        if advance is not None:
-            advance()  # the hand-off of batch t: its rows' next uses move past it
-        cache.admit(u, rows)
+        if foresee is not None:
+            cache.policy.advance()  # batch t is dispatched: the window moves past it...
+            if t + window < len(sets):
+                foresee(sets[t + window])  # ...and takes in the next batch
+        cache.admit(u, rows)  # the hand-off
     return misses + cache.counts["rows_read"]
 
 

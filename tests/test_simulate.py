@@ -11,6 +11,7 @@ import torch
 
 import embedpipe
 from embedpipe import simulate
+from embedpipe.policy import make_policy
 from embedpipe.simulate import POLICIES, batch_sets, miss_ratio_curve, rows_read
 
 # A trace worked out by hand: ids 0..6, a cache of 2 rows, 2 workers for the per-worker LRU.
@@ -140,17 +141,17 @@ def test_miss_ratio_curve():
 
 
 class TraceDataset(torch.utils.data.Dataset):
-    """One sequence of the trace per sample. With ``wait``, the loader's first fetch (in the main
-    thread: ``num_workers=0``) waits until the lookahead reader (its own thread) has read the
-    last batch: the policy then knows the whole trace (shorter than its window) from the first
-    hand-off on, as the simulator assumes, however loaded the machine is. (With a trace longer
-    than the window the pipe's reader thread races the loop for the window's last batch, so a
-    real run may read a few rows more or fewer: docs/tuning.md.)"""
+    """One sequence of the trace per sample. Given the pipe's lookahead ``policy``, the loader's
+    fetch of batch t (in the main thread: ``num_workers=0``) waits until the policy's reader (a
+    thread of its own) has foreseen the next ``window`` batches, as the simulator assumes: a
+    real pipe's reader thread may lag behind the loop (at the start, on a loaded machine), and
+    then the pipe reads more rows than the simulation says (docs/tuning.md)."""
 
-    def __init__(self, ids: np.ndarray, wait: bool) -> None:
+    def __init__(self, ids: np.ndarray, batch_size: int, policy: object = None) -> None:
         self.ids = torch.from_numpy(ids)
-        self.read_all = threading.Event()
-        self.wait = wait
+        self.batches = -(-len(ids) // batch_size)
+        self.batch_size = batch_size
+        self.policy = policy
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -159,32 +160,43 @@ class TraceDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i]}
 
     def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
-        if threading.current_thread() is not threading.main_thread():  # the lookahead reader
-            if len(self) - 1 in indices:
-                self.read_all.set()
-        elif self.wait:  # the loader
-            assert self.read_all.wait(timeout=60), "the lookahead reader never read the last batch"
-            time.sleep(0.05)  # its ids reach the policy under the owner's lock
-            self.wait = False
+        if self.policy is not None and threading.current_thread() is threading.main_thread():
+            ahead = min(self.policy.window, self.batches - 1 - indices[0] // self.batch_size)
+            deadline = time.monotonic() + 60
+            while self.policy.foreseen < ahead:  # batch t was drawn: the window is t+1 ..
+                assert time.monotonic() < deadline, "the lookahead reader fell behind for good"
+                time.sleep(0.001)
         return [self[i] for i in indices]
 
 
-def pipe_rows_read(path, ids: np.ndarray, batch_size: int, cache_rows: int, policy: str) -> int:
+def pipe_rows_read(
+    path, ids: np.ndarray, batch_size: int, cache_rows: int, policy: str, window: int
+) -> int:
     """A real EmbeddingPipe (frozen, num_workers=0) over the trace: its ``stats()["rows_read"]``."""
-    with embedpipe.EmbeddingPipe(path, cache_rows=cache_rows, policy=policy) as pipe:
-        dataset = TraceDataset(ids, wait=pipe._owner.looks_ahead)
+    with embedpipe.EmbeddingPipe(
+        path, cache_rows=cache_rows, policy=policy, lookahead=window
+    ) as pipe:
+        owner = pipe._owner
+        dataset = TraceDataset(ids, batch_size, owner.cache.policy if owner.looks_ahead else None)
         for batch in pipe.loader(dataset, batch_size=batch_size):
             batch["inputs_embeds"]
         return pipe.stats()["rows_read"]
 
 
-@pytest.mark.parametrize("policy", simulate.PIPE_POLICIES)
-def test_the_real_pipe_reads_what_the_simulator_says(tmp_path, policy):
-    num_rows, batch_size, batches = 800, 4, 40  # fewer batches than the window (64)
+LOOKS_AHEAD = [p for p in simulate.PIPE_POLICIES if hasattr(make_policy(p, 1, 1), "foresee")]
+
+
+@pytest.mark.parametrize(
+    "policy, window",
+    [(p, 64) for p in simulate.PIPE_POLICIES] + [(p, 4) for p in LOOKS_AHEAD],  # 4: < the trace
+)
+def test_the_real_pipe_reads_what_the_simulator_says(tmp_path, policy, window):
+    num_rows, batch_size, batches = 800, 4, 40
     ids = zipf_ids(batches * batch_size, 24, num_rows, seed=1)
     path = tmp_path / "t.zarr"
     embedpipe.Table.create(path, num_rows, 4, chunk_rows=64).close()
     sets = batch_sets(ids, batch_size)
-    for cache_rows in (0, 40, 200):
-        expected = rows_read(sets, num_rows, cache_rows, policy, window=64)
-        assert pipe_rows_read(path, ids, batch_size, cache_rows, policy) == expected, cache_rows
+    for cache_rows in (0, 40, 200, num_rows):
+        expected = rows_read(sets, num_rows, cache_rows, policy, window=window)
+        got = pipe_rows_read(path, ids, batch_size, cache_rows, policy, window)
+        assert got == expected, cache_rows
