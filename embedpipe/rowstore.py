@@ -221,7 +221,7 @@ class RawRows(ZarrRows):
         return os.path.join(str(store.root), array.path) if raw else None
 
     def _path(self, chunk: int) -> str:
-        return os.path.join(self.root, "c", str(chunk), "0")
+        return f"{self.root}/c/{chunk}/0"
 
     def _where(self) -> str:
         return self.root
@@ -262,26 +262,33 @@ class RawRows(ZarrRows):
     def read(self, ids: np.ndarray) -> np.ndarray:
         """Rows for ``ids`` (1-D int64, in range), in the order of ``ids``: rows in the page
         cache are copied at once, the others are all sent to the disk before waiting for any
-        (see the NOTE). Cost: a ``stat`` per chunk touched, one or two system calls per row."""
-        out = np.empty((len(ids), self.dim), dtype=self.dtype)
-        out_bytes = out.view(np.uint8).reshape(len(ids), self.row_bytes)  # out: (N, D)
+        (see the NOTE). Cost: a ``stat`` per chunk touched, one or two system calls per row
+        (per-row work stays in plain Python: numpy's per-call overhead per chunk cost more)."""
+        out = np.empty((len(ids), self.dim), dtype=self.dtype)  # out: (N, D)
+        if len(ids) == 0:
+            return out
+        out_bytes = memoryview(out).cast("B")
+        rb = self.row_bytes
+        order = np.argsort(ids, kind="stable")  # chunk by chunk, rows ascending in each file
+        chunk_of = (ids[order] // self.chunk_rows).tolist()
+        offsets = (ids[order] % self.chunk_rows * rb).tolist()
         waiting: list[tuple[_ChunkFile, int, int, int]] = []  # (file, chunk, position, offset)
-        chunks, positions = group_by_chunk(ids, self.chunk_rows)
-        for chunk, pos in zip(chunks, positions):
-            opened = self._opened(chunk)
+        current, opened = -1, None
+        for i, chunk, offset in zip(order.tolist(), chunk_of, offsets):
+            if chunk != current:
+                current, opened = chunk, self._opened(chunk)
             if opened is None:
-                out[pos] = self.fill
-                continue
-            offsets = (ids[pos] - chunk * self.chunk_rows) * self.row_bytes
-            for i, offset in zip(pos.tolist(), offsets.tolist()):
-                if not self._nowait or not self._read_now(opened.fd, out_bytes[i], offset):
-                    waiting.append((opened, chunk, i, offset))
+                out[i] = self.fill
+            elif not self._nowait or not self._read_now(
+                opened.fd, out_bytes[i * rb : (i + 1) * rb], offset
+            ):
+                waiting.append((opened, chunk, i, offset))
         self.rows_waited += len(waiting)
         for opened, chunk, i, offset in waiting:
-            self._read_exactly(opened.fd, out_bytes[i], offset, chunk)
+            self._read_exactly(opened.fd, out_bytes[i * rb : (i + 1) * rb], offset, chunk)
         return out
 
-    def _read_now(self, fd: int, row: np.ndarray, offset: int) -> bool:
+    def _read_now(self, fd: int, row: memoryview, offset: int) -> bool:
         """Copy the row if the page cache has all of it; else False, its read started."""
         try:
             return os.preadv(fd, [row], offset, _NOWAIT) == len(row)
@@ -293,7 +300,7 @@ class RawRows(ZarrRows):
             self._nowait = False  # this file system cannot: read one row at a time
             return False
 
-    def _read_exactly(self, fd: int, row: np.ndarray, offset: int, chunk: int) -> None:
+    def _read_exactly(self, fd: int, row: memoryview, offset: int, chunk: int) -> None:
         done = 0
         while done < len(row):
             got = os.preadv(fd, [row[done:]], offset + done)
@@ -366,7 +373,7 @@ class RawRows(ZarrRows):
         if opened is None:
             return np.full((rows, self.dim), self.fill, dtype=self.dtype)
         out = np.empty((rows, self.dim), dtype=self.dtype)
-        self._read_exactly(opened.fd, out.view(np.uint8).reshape(-1), 0, chunk)
+        self._read_exactly(opened.fd, memoryview(out).cast("B"), 0, chunk)
         return out
 
     def fill_chunk(self, chunk: int, value: float) -> None:
