@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import embedpipe
 from embedpipe import rowstore
+from embedpipe.benchmark import cold
 from embedpipe.rowstore import RawRows, ZarrRows
 from embedpipe.table import WEIGHT
 
@@ -42,13 +43,7 @@ def reader(path: str) -> RawRows:
 
 def drop_page_cache(rows: RawRows) -> None:
     """Write back and drop the table's pages from the OS page cache (only this table's files)."""
-    for name in glob.glob(os.path.join(rows.root, "c", "*", "0")):
-        fd = os.open(name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    cold.drop_page_cache(glob.glob(os.path.join(rows.root, "c", "*", "0")))
 
 
 def random_ids(seed: int, n: int = 1200) -> np.ndarray:

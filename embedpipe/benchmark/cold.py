@@ -380,10 +380,12 @@ def table_files(path: str) -> list[str]:
 
 
 def drop_page_cache(files: list[str]) -> None:
-    """Drop the files' pages from the OS page cache (only theirs: others' work is left alone)."""
+    """Drop the files' pages from the OS page cache (only theirs: others' work is left alone);
+    written back first, as dirty pages cannot be dropped."""
     for name in files:
         fd = os.open(name, os.O_RDONLY)
         try:
+            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
