@@ -206,9 +206,7 @@ class RowCache:
         self.clock = 0  # ticks: one per applied step (and one per reset); published to workers
         self.last_updated = np.zeros(len(shared.slot_of), dtype=np.int32)  # tick of last change
         self.shared.publish(0)
-        self.counts = dict.fromkeys(
-            ("evictions", "rows_read", "rows_written", "cleaned_ahead", "prefetched"), 0
-        )
+        self.counts = dict.fromkeys(("evictions", "rows_read", "rows_written", "cleaned_ahead"), 0)
         self._broken: str | None = None  # what was interrupted, once the cache cannot be trusted
 
     # ----------------------------------------------------------------- hand-off (main thread)
@@ -248,31 +246,6 @@ class RowCache:
             slots[admitted] = free
             self.last_admitted = len(admitted)
         self.policy.record(ids, slots)
-
-    def worth_prefetching(self, ids: np.ndarray) -> tuple[np.ndarray, int]:
-        """Which of ``ids`` (a coming batch's) are not cached and would be admitted now, and the
-        clock tick to hand back to :meth:`prefetch` with their rows."""
-        self._check()
-        missing = ids[self.shared.slot_of[ids] < 0]
-        if len(missing) == 0 or self.shared.cache_rows == 0:
-            return missing[:0], self.clock
-        chosen, _ = self.policy.plan(missing, np.flatnonzero(self.pinned), self.shared.slot_id)
-        return missing[np.sort(chosen)], self.clock
-
-    def prefetch(self, ids: np.ndarray, rows: np.ndarray, tick: int) -> int:
-        """Cache rows read from the table ahead of the batch that needs them, as far as the
-        policy admits them now; rows cached or changed by a step since ``tick`` are left out
-        (their copy may be older). Returns how many were cached."""
-        self._check()
-        self.counts["rows_read"] += len(ids)
-        fresh = (self.shared.slot_of[ids] < 0) & (self.last_updated[ids] <= tick)
-        ids, rows = ids[fresh], rows[fresh]
-        if len(ids) == 0:
-            return 0
-        chosen, free = self.policy.plan(ids, np.flatnonzero(self.pinned), self.shared.slot_id)
-        self._replace(free, ids[chosen], rows[chosen])
-        self.counts["prefetched"] += len(chosen)
-        return len(chosen)
 
     # ----------------------------------------------------------------- writeback thread
     def gather(self, ids: np.ndarray) -> Update:

@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_convert
 
@@ -31,6 +32,7 @@ from .collate import PadCollator
 from .errors import WorkerDiedError
 from .lookahead import Ahead, Stream
 from .ring import BatchRing
+from .shm import SharedBlock
 from .worker import CheckedDataset, CheckedIterable, LookedUp, Lookup
 
 if TYPE_CHECKING:
@@ -122,7 +124,13 @@ class PipeLoader(DataLoader):
             collate_fn = default_convert if unbatched else PadCollator(owner.padding_idx, ids_key)
         source = PipeSource(owner, ring, bool(dataloader_kwargs.get("pin_memory")))
         shared = owner.shared if owner.workers_read_shared else None
-        lookup = Lookup(collate_fn, ids_key, table, shared, ring, source)
+        # set while a lookahead stream reads this loader's misses (NOTE [ Misses read by the owner ])
+        self._defer = (
+            SharedBlock({"misses": ((1,), np.int8, 0)})
+            if ring is not None and owner.looks_ahead
+            else None
+        )
+        lookup = Lookup(collate_fn, ids_key, table, shared, ring, source, self._defer)
         super().__init__(
             checked,
             batch_size=batch_size,
@@ -163,9 +171,8 @@ class PipeLoader(DataLoader):
         # batches the workers were sent before this point are not foreseen
         order = Ahead(inner, getattr(iterator, "_send_idx", 0))
         iterator._sampler_iter = order
-        in_flight = self.num_workers * (self.prefetch_factor or 2) if self.num_workers else 0
         return owner.start_stream(
-            self.dataset.dataset, self.ids_key, order, self._auto_collation, in_flight
+            self.dataset.dataset, self.ids_key, order, self._auto_collation, self._defer
         )
 
     def _batches(self, iterator: Any) -> Iterator[EmbeddedBatch]:

@@ -16,6 +16,20 @@ sample that fails) costs rows read, never a wrong row, and a reader that fails j
 One stream owns the window at a time: the first loader iterated. Another loader iterated while it
 runs (an evaluation loop in the middle of an epoch) has no lookahead; its batches are handed off
 through the same cache and do not move the window.
+
+NOTE [ Misses read by the owner ]
+With workers, ``prefetch_factor x num_workers`` batches are looked up before the first of them is
+handed off, so a row that several of them use and the cache lacks would be read from disk by
+each (measured: 1.2-1.5x the rows Belady's optimum reads, at 2-20% cache, 2 workers). So while a
+stream runs, its loader's workers copy the cache's hits and leave the misses (a flag in shared
+memory, ``PipeLoader._defer``); the reader thread reads the rows of each dispatched batch that
+the cache lacks into a buffer, copying those an earlier batch in flight already read, and the
+hand-off takes them from there (``Owner._read_deferred``), or from the cache or the table if the
+reader is late, then admits them as usual. Each row is read once for all the batches in flight,
+and the reads run beside the loop, in a thread that mostly waits on the disk. A buffered row is
+used only if no step changed it since it was read (its ``last_updated`` tick); the table has the
+newest copy of every row the cache lacks (invariant 3). The buffers hold at most the batches in
+flight.
 """
 
 from __future__ import annotations
@@ -27,22 +41,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .shm import SharedBlock
 from .table import WEIGHT, Table
 
 if TYPE_CHECKING:
     from .owner import Owner
 
 
-#: Batches after the next one to be dispatched whose rows are prefetched too: slack for a
-#: reader thread that runs late.
-PREFETCH_AHEAD = 2
-
-
 class Ahead:
     """The sampler's iterator, drawn from by the DataLoader and, ahead of it, by the reader.
 
     ``on_draw(number)`` runs before the DataLoader gets batch ``number`` (to dispatch it to a
-    worker): the stream finishes or drops its prefetch of that batch there.
+    worker): the stream moves its window past that batch there.
     """
 
     def __init__(self, inner: Iterator[Any], taken: int) -> None:
@@ -79,7 +89,8 @@ class Ahead:
 
 
 class Stream:
-    """One epoch of a loader, foreseen: a reader thread feeds the policy's window."""
+    """One epoch of a loader, foreseen: a reader thread feeds the policy's window and reads the
+    misses of the batches in flight (NOTE [ Misses read by the owner ])."""
 
     def __init__(
         self,
@@ -88,7 +99,7 @@ class Stream:
         ids_key: str,
         order: Ahead,
         batched: bool,
-        in_flight: int,
+        defer: SharedBlock | None = None,
     ) -> None:
         self.owner = owner
         self.policy = owner.cache.policy
@@ -101,11 +112,18 @@ class Stream:
         self.foreseen: deque[int] = deque()  # numbers of the batches in the policy's window
         self.ids_of: dict[int, np.ndarray] = {}  # their ids
         self.in_flight_ids: deque[tuple[int, np.ndarray]] = deque()  # dispatched, not claimed
+        self.claimed = order.drawn - 1
+        #: rows read for dispatched batches whose workers left their misses to the owner:
+        #: number -> (ids, rows, clock tick when read); ``ready``: the claimed batch's
+        self.buffers: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
+        self.ready: tuple[np.ndarray, np.ndarray, int] | None = None
         self.window = self.policy.window
-        self.in_flight = in_flight
-        self.prefetched = -1  # the last batch prefetched
         self.dispatched = order.drawn - 1  # the last batch the DataLoader drew (and dispatched)
-        self.prefetching: int | None = None  # the batch whose rows are being read
+        self.filled = order.drawn - 1  # the last dispatched batch whose misses were read
+        self.filling: int | None = None  # the dispatched batch whose misses are being read
+        self.defer = defer
+        if defer is not None:  # the workers leave their misses to the owner from now on
+            defer["misses"][0] = 1
         order.on_draw = self._drawn
         self._table: Any = None
         self.wake = threading.Condition()
@@ -116,13 +134,10 @@ class Stream:
 
     def _drawn(self, number: int) -> None:
         """The DataLoader dispatches batch ``number`` to a worker, whose lookup is that batch's
-        use of its rows: the window moves past it. A prefetch of its rows still reading
-        finishes first (else the worker would read them too); none starts after."""
+        use of its rows: the window moves past it, and its rows are held until it is claimed."""
         with self.wake:
             self.dispatched = number
             self.wake.notify_all()  # the reader may go further ahead
-            while self.prefetching is not None and self.prefetching <= number and not self.stopped:
-                self.wake.wait()
         with self.owner.lock:
             while self.foreseen and self.foreseen[0] <= number:
                 passed = self.foreseen.popleft()
@@ -132,12 +147,36 @@ class Stream:
                 self.in_flight_ids.append((passed, ids))
 
     def claim(self, number: int) -> None:
-        """The loop claims batch ``number``: its lookup is done, its rows need not stay."""
+        """The loop claims batch ``number``: its lookup is done, its rows need not stay. A read
+        of its misses under way finishes first (else the hand-off would read them too)."""
+        with self.wake:
+            while self.filling == number and not self.stopped:
+                self.wake.wait()
+            self.claimed = number
         with self.owner.lock:
             while self.in_flight_ids and self.in_flight_ids[0][0] <= number:
                 self.policy.held[self.in_flight_ids.popleft()[1]] -= 1
+            for done in [n for n in self.buffers if n < number]:
+                del self.buffers[done]  # batches claimed elsewhere
+            self.ready = self.buffers.pop(number, None)
+
+    def take(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """For the hand-off of the batch just claimed: put the rows of ``ids`` (its misses) that
+        the reader read and no step changed since into ``rows``; returns the positions left."""
+        ready, self.ready = self.ready, None
+        left = np.ones(len(ids), dtype=bool)
+        if ready is not None and len(ready[0]):
+            had, had_rows, had_tick = ready
+            where = np.minimum(np.searchsorted(had, ids), len(had) - 1)
+            found = had[where] == ids
+            found &= self.owner.cache.last_updated[ids] <= had_tick
+            rows[found] = had_rows[where[found]]
+            left &= ~found
+        return np.flatnonzero(left)
 
     def stop(self) -> None:
+        if self.defer is not None:
+            self.defer["misses"][0] = 0
         with self.wake:
             self.stopped = True
             self.wake.notify_all()
@@ -145,6 +184,7 @@ class Stream:
             self.policy.restart()
             self.foreseen.clear()
             self.ids_of.clear()
+            self.buffers.clear()
             while self.in_flight_ids:
                 self.policy.held[self.in_flight_ids.popleft()[1]] -= 1
 
@@ -156,16 +196,16 @@ class Stream:
                 try:
                     peeked = self.order.peek()
                 except StopIteration:
-                    peeked = (-1, None)  # the end: prefetch what is left
+                    peeked = (-1, None)  # the end: fill what is left
             with self.wake:
                 while not self.stopped and not self._due(peeked[0]):
                     self.wake.wait()
                 if self.stopped:
                     return
-            fetch = self._next_prefetch()
+            fill = self._next_fill()
             try:
-                if fetch is not None:
-                    self._prefetch(fetch)
+                if fill is not None:
+                    self._fill(*fill)
                     continue
                 number, indices = peeked
                 peeked = None
@@ -183,41 +223,53 @@ class Stream:
                     self.ids_of[number] = ids
 
     def _due(self, number: int) -> bool:
-        """Work to do: a batch to prefetch, or the peeked batch ``number`` within the window."""
-        if self._next_prefetch() is not None:
+        """Work to do: a batch in flight to fill, or the peeked batch ``number`` within the window."""
+        if self._next_fill() is not None:
             return True
         return 0 <= number <= self.dispatched + self.window
 
-    def _next_prefetch(self) -> int | None:
-        """The next batch whose rows to cache before a worker looks it up: the first one not
-        dispatched yet, and up to :data:`PREFETCH_AHEAD` after it."""
-        if not self.in_flight:
-            return None  # no workers: each lookup runs after the hand-off before it
-        first = self.dispatched + 1
-        number = max(self.prefetched + 1, first)
-        return number if number <= first + PREFETCH_AHEAD and number in self.ids_of else None
+    def _next_fill(self) -> tuple[int, np.ndarray] | None:
+        """The first dispatched, unclaimed batch whose misses its worker leaves to the owner and
+        that are not read yet."""
+        if self.defer is None:
+            return None
+        for number, ids in self.in_flight_ids:  # a few batches: the ones in flight
+            if number > max(self.filled, self.claimed):
+                return number, ids
+        return None
 
-    def _prefetch(self, number: int) -> None:
-        """Read the rows of batch ``number`` that the cache lacks and would admit, then cache
-        them (``RowCache.prefetch``); rows a step changed meanwhile are left out."""
+    def _fill(self, number: int, ids: np.ndarray) -> None:
+        """Read the rows of dispatched batch ``number`` that its worker left (the cache's
+        misses) into a buffer its hand-off takes (:meth:`claim`); rows an earlier batch in
+        flight has in its buffer are copied from there, not read again."""
         with self.wake:
-            if number <= self.dispatched:
-                return  # too late: its worker reads them
-            self.prefetching = self.prefetched = number
+            if number <= self.claimed:
+                return
+            self.filling = self.filled = number
         try:
             with self.owner.lock:
-                ids = self.ids_of.get(number)
-                if ids is None:
+                if self.stopped:
                     return
-                wanted, tick = self.owner.cache.worth_prefetching(ids)
-            if len(wanted):
-                rows = self._reader().read(wanted)
-                with self.owner.lock:
-                    if not self.stopped:
-                        self.owner.cache.prefetch(wanted, rows, tick)
+                missing = ids[self.owner.shared.slot_of[ids] < 0]
+                tick = self.owner.cache.clock
+                earlier = list(self.buffers.values())
+            rows = np.empty((len(missing), self.owner.table.dim), dtype=self.owner.table.dtype)
+            todo = np.ones(len(missing), dtype=bool)
+            for had, had_rows, had_tick in earlier:  # rows read for a batch in flight
+                if had_tick != tick or not len(had):
+                    continue  # a step since: that copy may be older (the table has the newest)
+                where = np.minimum(np.searchsorted(had, missing), len(had) - 1)
+                found = todo & (had[where] == missing)
+                rows[found] = had_rows[where[found]]
+                todo &= ~found
+            if todo.any():
+                rows[todo] = self._reader().read(missing[todo])
+            with self.owner.lock:
+                self.owner.cache.counts["rows_read"] += int(todo.sum())
+                self.buffers[number] = (missing, rows, tick)
         finally:
             with self.wake:
-                self.prefetching = None
+                self.filling = None
                 self.wake.notify_all()
 
     def _reader(self) -> Any:

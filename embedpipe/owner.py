@@ -36,6 +36,7 @@ from .gradient import TableGradient
 from .lookahead import Ahead, Stream
 from .optim import RowOptimizer
 from .policy import LRU, Lookahead
+from .shm import SharedBlock
 from .table import Table
 from .worker import LookedUp
 from .writeback import Writeback
@@ -80,12 +81,18 @@ class Owner:
             if optimizer is not None
             else None
         )
-        self.counts = dict.fromkeys(("batches", "hits", "misses", "refreshed", "ring_overruns"), 0)
+        self.counts = dict.fromkeys(
+            ("batches", "hits", "misses", "deferred", "filled_ahead", "refreshed", "ring_overruns"),
+            0,
+        )
         self._step_in_progress: int | None = None  # for the messages of failed table writes
-        self.generation = 0  # snapshots loaded: step numbers restart, batches claimed before are stale
+        self.generation = (
+            0  # snapshots loaded: step numbers restart, batches claimed before are stale
+        )
         self.closed = False
         #: The policy sees the loader's next batches (``lookahead.py``); ``stream`` feeds it.
-        self.looks_ahead = isinstance(policy, Lookahead) and policy.cache_rows > 0
+        #: Not when the cache holds the whole table: nothing to choose then.
+        self.looks_ahead = isinstance(policy, Lookahead) and 0 < policy.cache_rows < table.num_rows
         self.stream: Stream | None = None
 
     # ------------------------------------------------------------------------- training loop
@@ -128,6 +135,8 @@ class Owner:
                     misses = len(ids) - hits
                 rows = self.cache.current(ids)
             else:
+                if item.deferred is not None and len(item.deferred):
+                    self._read_deferred(ids, rows, item.deferred)
                 stale = np.flatnonzero(self.cache.last_updated[ids] > item.lookup_step)
                 if len(stale):
                     rows[stale] = self.cache.current(ids[stale])
@@ -152,6 +161,20 @@ class Owner:
             tick=tick,
             generation=self.generation,
         )
+
+    def _read_deferred(self, ids: np.ndarray, rows: np.ndarray, deferred: np.ndarray) -> None:
+        """The misses a worker left to the owner (NOTE [ Misses read by the owner ] in
+        ``lookahead.py``): from the lookahead reader's buffer, else the cache or the table."""
+        self.counts["deferred"] += len(deferred)
+        if self.stream is not None:
+            rows_left = np.empty((len(deferred), rows.shape[1]), dtype=rows.dtype)
+            left = self.stream.take(ids[deferred], rows_left)
+            filled = np.setdiff1d(np.arange(len(deferred)), left, assume_unique=True)
+            rows[deferred[filled]] = rows_left[filled]
+            self.counts["filled_ahead"] += len(filled)
+            deferred = deferred[left]
+        if len(deferred):
+            rows[deferred] = self.cache.current(ids[deferred])
 
     def refresh(self, batch: EmbeddedBatch) -> None:
         """Make a batch's rows final as the model reads them: if steps were submitted since its
@@ -180,11 +203,11 @@ class Owner:
         )
 
     def start_stream(
-        self, dataset: Any, ids_key: str, order: Ahead, batched: bool, in_flight: int
+        self, dataset: Any, ids_key: str, order: Ahead, batched: bool, defer: SharedBlock | None
     ) -> Stream:
         """A loader's epoch whose order is known: it feeds the lookahead policy's window."""
         with self.lock:
-            self.stream = Stream(self, dataset, ids_key, order, batched, in_flight)
+            self.stream = Stream(self, dataset, ids_key, order, batched, defer)
         return self.stream
 
     def end_stream(self, stream: Stream) -> None:
@@ -399,11 +422,11 @@ class Owner:
         cache = self.cache.counts
         return {
             **self.counts,
-            "rows_read": self.counts["misses"] + cache["rows_read"],
+            # the lookups' misses they read themselves, and what the owner read
+            "rows_read": self.counts["misses"] - self.counts["deferred"] + cache["rows_read"],
             "rows_written": cache["rows_written"],
             "evictions": cache["evictions"],
             "cleaned_ahead": cache["cleaned_ahead"],
-            "prefetched": cache["prefetched"],
             "writeback_queue": self.writeback.pending if self.writeback else 0,
             "steps": self.applied_step - self.start_step,
             "cached_rows": int((self.shared.slot_id >= 0).sum()),

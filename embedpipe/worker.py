@@ -29,6 +29,7 @@ from .cache import SharedRows
 from .errors import IdOutOfRangeError
 from .ids import as_ids, unique_inverse
 from .ring import BatchRing
+from .shm import SharedBlock
 from .table import WEIGHT, Table
 
 
@@ -41,7 +42,9 @@ class LookedUp:
     every tensor to new shared memory and pass a file descriptor per batch (measured 4x fewer
     batches/s with two workers), numpy arrays travel as bytes. The rows are in ring ``slot``
     with ``tag``, or in ``rows`` when they did not fit; ``lookup_step`` the applied step when the
-    lookup began; ``hits``/``misses`` counted over unique ids.
+    lookup began; ``hits``/``misses`` counted over unique ids. ``deferred``: the positions of
+    the misses this lookup did not read, because the owner reads them (NOTE [ Misses read by
+    the owner ] in ``lookahead.py``); None when it read them all.
     """
 
     fields: Mapping[str, Any]
@@ -53,6 +56,7 @@ class LookedUp:
     lookup_step: int
     hits: int
     misses: int
+    deferred: np.ndarray | None = None  # positions of misses left for the owner to read
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled (a worker sending it), the fields' CPU tensors travel as bytes (NOTE [ Fields
@@ -119,8 +123,10 @@ class Lookup:
         cache: SharedRows | None,
         ring: BatchRing | None,
         source: Source,
+        defer: SharedBlock | None = None,
     ) -> None:
         self.collate = collate
+        self.defer = defer  # defer["misses"][0] == 1: leave misses to the owner
         self.ids_key = ids_key
         self.table_path = table.path
         self.table_root = table.root
@@ -155,10 +161,11 @@ class Lookup:
         if self.cache is None:  # the owner reads the rows (lookup_step -1 says so)
             item = LookedUp(fields, unique_ids, inverse, -1, 0, None, -1, 0, 0)
             return EmbeddedBatch._looked_up(item, self.key)
+        defer = self.defer is not None and bool(self.defer["misses"][0])
         lookup_step = self.cache.applied_step  # before any row is read (invariant 4)
         rows, hit = self.cache.read(unique_ids)
         miss = np.flatnonzero(~hit)
-        if len(miss):
+        if len(miss) and not defer:
             rows[miss] = self.table()._array(WEIGHT).read(unique_ids[miss])  # the files as they are
         info = get_worker_info()
         placed = (
@@ -174,6 +181,7 @@ class Lookup:
             lookup_step=lookup_step,
             hits=len(unique_ids) - len(miss),
             misses=len(miss),
+            deferred=miss if defer else None,
         )
         return EmbeddedBatch._looked_up(item, self.key)
 
