@@ -190,6 +190,10 @@ class Writeback:
                 if self._error is None:
                     self.applied = item.step
                 self._applied.notify_all()
+            # Let a loop waiting for this step have the GIL now: else it waits for the idle
+            # work below to give it up (up to sys.getswitchinterval(), 5 ms; measured: a fully
+            # cached training step waited 5.5 ms for 1.1 ms of work).
+            time.sleep(0)
             if self._idle is not None and self._error is None and self._queue.empty():
                 try:
                     self._idle()
