@@ -14,22 +14,22 @@ vectorised over the batch: a hand-off costs O(U) plus one ``argpartition`` over 
 - ``"lookahead"`` knows the ids of the batches the loader will hand off next (``lookahead.py``
   reads them from the dataset in the sampler's order) and keeps the rows used soonest: see
   NOTE [ The lookahead window ]. Without a window (an iterable dataset) it is LFU.
-- ``"auto"`` is lookahead: it read within a few percent of Belady's optimum at every cache size
-  measured, where LFU read up to 1.6x (docs/benchmarks.md).
+- ``"auto"`` is lookahead: it read as many rows as Belady's optimum (within 2%) at every cache
+  size measured, where LFU read up to 1.5x (docs/benchmarks.md).
 
 NOTE [ The lookahead window ]
-The window is the next ``window`` batches, in the order they will be handed off (``foresee``
-appends one, ``advance`` drops the one being handed off). For every table row the policy keeps
+The window is the next ``window`` batches, in the order they will be looked up (``foresee``
+appends one, ``advance`` drops the one being dispatched to a worker). For every table row the policy keeps
 ``next_use``, the number of the first batch in the window that uses it, and for every (batch,
 row) entry the number of the next batch after it that uses the row, linked as batches are
 foreseen; so both calls cost O(rows of the batch), never a scan of the window. Eviction is
 Belady's rule inside the window (the cached row used furthest ahead goes first) and LFU beyond it
 (rows no foreseen batch uses go before any that one does, least used first); a missed row is
-admitted only if it is worth more than the row it would evict, by the same measure. Two kinds
-of row are never evicted: rows of the first ``protect`` batches of the window (the loader's
-batches in flight, whose workers read them now) and rows of batches handed out for training
-whose optimizer step has not gathered them yet (``hold``/``release``: evicting one would cost a
-read at the step and a write after it). While training, a missed row is admitted over any row no
+admitted only if it is worth more than the row it would evict, by the same measure. Rows whose
+``held`` count is above 0 are never evicted: rows of batches dispatched to a worker and not
+claimed yet (their lookup may still be copying them; ``lookahead.Stream``), and rows of batches
+handed out for training whose optimizer step has not gathered them yet (``hold``/``release``:
+evicting one would cost a read at the step and a write after it). While training, a missed row is admitted over any row no
 foreseen batch uses, since the step will update it: it is then written once, when it is evicted,
 not read and written at the step.
 """
