@@ -31,6 +31,7 @@ the cache broken if it is interrupted.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,6 +43,9 @@ from .errors import EmbedpipeError
 from .ordering import fence
 from .policy import LRU
 from .shm import SharedBlock
+
+#: Training batches whose uncached rows are kept for their step (``RowCache.stage``).
+MAX_STAGED = 16
 
 Fetch = Callable[[np.ndarray, str], np.ndarray]  # (ids, array name) -> rows, from the table
 Store = Callable[[np.ndarray, np.ndarray, str], None]  # (ids, rows, array name) -> None
@@ -202,11 +206,15 @@ class RowCache:
         self.state = {name: np.zeros((size, dim), dtype=shared.rows.dtype) for name in state}
         self.state_loaded = np.zeros(size, dtype=bool)
         self.pinned = np.zeros(size, dtype=bool)  # slots an optimizer step is computing on
+        #: rows of training batches the cache lacks, as handed out: (ids, rows, tick) (``stage``)
+        self.staged: deque[tuple[np.ndarray, np.ndarray, int]] = deque(maxlen=MAX_STAGED)
         self.last_admitted = 0  # rows the last hand-off admitted: about what the next evicts
         self.clock = 0  # ticks: one per applied step (and one per reset); published to workers
         self.last_updated = np.zeros(len(shared.slot_of), dtype=np.int32)  # tick of last change
         self.shared.publish(0)
-        self.counts = dict.fromkeys(("evictions", "rows_read", "rows_written", "cleaned_ahead"), 0)
+        self.counts = dict.fromkeys(
+            ("evictions", "rows_read", "rows_written", "cleaned_ahead", "staged"), 0
+        )
         self._broken: str | None = None  # what was interrupted, once the cache cannot be trusted
 
     # ----------------------------------------------------------------- hand-off (main thread)
@@ -260,13 +268,40 @@ class RowCache:
         s = slots[cached]
         self._load_state(s)
         self.pinned[s] = True
-        rows = self.current(ids)
+        rows = np.empty((len(ids), self.shared.rows.shape[1]), dtype=self.shared.rows.dtype)
+        rows[cached] = self.shared.rows[s]
+        rest = np.flatnonzero(~cached)
+        if len(rest):
+            left = rest[~self._unstage(ids[rest], rows, rest)]
+            if len(left):
+                rows[left] = self._fetch(ids[left], "weight")
+        self.staged.clear()  # the batches handed out so far are in this step, or never will be
         state = {name: np.empty_like(rows) for name in self.state}
         for name, array in self.state.items():
             state[name][cached] = array[s]
             if not cached.all():
                 state[name][~cached] = self._fetch(ids[~cached], name)
         return Update(ids, slots, rows, state)
+
+    def stage(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Keep the rows of a training batch that are not cached (a copy, current at this tick)
+        for its optimizer step, so the step does not read them again (the last
+        :data:`MAX_STAGED` batches)."""
+        missing = np.flatnonzero(self.shared.slot_of[ids] < 0)
+        if len(missing):
+            self.staged.append((ids[missing], rows[missing].copy(), self.clock))
+
+    def _unstage(self, ids: np.ndarray, out: np.ndarray, where: np.ndarray) -> np.ndarray:
+        """Put the staged rows of ``ids`` that no step changed since they were staged into
+        ``out[where]``, newest first; returns which ``ids`` were found."""
+        found = np.zeros(len(ids), dtype=bool)
+        for had, had_rows, tick in reversed(self.staged):
+            at = np.minimum(np.searchsorted(had, ids), len(had) - 1)
+            hit = ~found & (had[at] == ids) & (self.last_updated[ids] <= tick)
+            out[where[hit]] = had_rows[at[hit]]
+            found |= hit
+        self.counts["staged"] += int(found.sum())
+        return found
 
     def scatter(self, update: Update, before: Update) -> int:
         """Put the updated rows back: into their pinned slots, and into the table for the rest;

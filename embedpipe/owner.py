@@ -144,8 +144,10 @@ class Owner:
             if self.looks_ahead:
                 self.cache.policy.training = self.trains_now
             self.cache.admit(ids, rows)
-            if self.looks_ahead and self.trains_now:
-                self.cache.policy.hold(ids)
+            if self.trains_now:
+                self.cache.stage(ids, rows)  # its step need not read them again
+                if self.looks_ahead:
+                    self.cache.policy.hold(ids)
             tick = self.cache.clock
         self.counts["batches"] += 1
         self.counts["hits"] += hits
@@ -427,6 +429,7 @@ class Owner:
             "rows_written": cache["rows_written"],
             "evictions": cache["evictions"],
             "cleaned_ahead": cache["cleaned_ahead"],
+            "staged": cache["staged"],
             "writeback_queue": self.writeback.pending if self.writeback else 0,
             "steps": self.applied_step - self.start_step,
             "cached_rows": int((self.shared.slot_id >= 0).sum()),

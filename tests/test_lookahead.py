@@ -188,3 +188,15 @@ def test_an_evaluation_loader_inside_an_epoch_leaves_the_window_alone(tmp_path):
 def test_lookahead_must_be_a_count():
     with pytest.raises(ValueError, match="lookahead must be an integer >= 0"):
         embedpipe.EmbeddingPipe("nowhere", cache_rows=1, lookahead=-1)
+
+
+@pytest.mark.parametrize("policy", ["lfu", "auto"])
+def test_a_step_does_not_read_again_the_rows_its_batch_was_handed(tmp_path, policy):
+    """Rows a training batch used that the cache does not keep are staged for its step: with SGD
+    (no state to read), every row read from disk is a lookup's miss."""
+    data = zipf_dataset(12 * 8)
+    _, _, stats, _ = train_offloaded(
+        data, "sgd", lr=0.5, path=tmp_path / "t.zarr", cache_rows=VOCAB // 50, policy=policy
+    )
+    assert stats["staged"] > 0
+    assert stats["rows_read"] == stats["misses"] - stats["deferred"]
