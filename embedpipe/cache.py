@@ -248,10 +248,10 @@ class RowCache:
                 keep = np.concatenate([slots[slots >= 0], keep])
             chosen, free = self.policy.plan(ids[new], keep, self.shared.slot_id)
             admitted = new[chosen]
-            if not self.policy.keeps_batch:  # the batch has its copy: its rows may go too
-                slots[np.isin(slots, free)] = -1
             self._replace(free, ids[admitted], rows[admitted])
-            slots[admitted] = free
+            # where the batch's ids are now (unless the policy keeps them, the batch has its copy:
+            # its own rows may have gone for its misses)
+            slots = self.shared.slot_of[ids].astype(np.int64)
             self.last_admitted = len(admitted)
         self.policy.record(ids, slots)
 
