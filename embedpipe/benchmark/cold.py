@@ -92,8 +92,6 @@ def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     limit = args.cold_limit_mib * 2**20
     rows = TABLE_FACTOR * limit // row_bytes
     path = os.path.join(workdir, "cold.zarr")
-    Table.create(path, rows, args.cold_dim, seed=args.seed).close()
-    os.sync()  # dirty pages cannot be dropped from the page cache
     cache_rows = max(1, round(args.cold_cache_frac * rows))
     base = {
         "path": path,
@@ -117,10 +115,12 @@ def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
         "dim": args.cold_dim,
         "limit_bytes": limit,
         "cache_rows": cache_rows,
-        "cgroup": cgroup_problem(),
+        "cgroup": None,  # or why no memory cgroup could be made (no limit then)
         "runs": {},
     }
     try:
+        Table.create(path, rows, args.cold_dim, seed=args.seed).close()
+        os.sync()  # dirty pages cannot be dropped from the page cache
         with tqdm(total=len(runs), desc="cold", unit="loader") as bar:
             for number, (name, (spec, limit_bytes)) in enumerate(runs.items()):
                 bar.set_postfix_str(name)
@@ -129,6 +129,8 @@ def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
                 bar.update()
     finally:
         _remove_table(path)
+    problems = [r["cgroup_problem"] for r in result["runs"].values() if r["cgroup_problem"]]
+    result["cgroup"] = problems[0] if problems else None
     return result
 
 
@@ -221,7 +223,12 @@ def run_child(
     of its parent would hold a pipe open, and whatever the child left running is killed here."""
     code = f"import json, sys; from {__name__} import child; print(json.dumps(child(json.loads(sys.argv[1]))))"
     argv = [sys.executable, "-c", code, json.dumps(spec)]
-    group = MemoryCgroup(name, limit_bytes) if cgroup_problem() is None else None
+    group, problem = None, cgroup_problem()
+    if problem is None:
+        try:
+            group = MemoryCgroup(name, limit_bytes)
+        except OSError as e:  # a read-only cgroup file system, a limit refused...
+            problem = f"cannot make a memory cgroup ({e})"
     out_path, err_path = (os.path.join(workdir, f"child-{name}.{e}") for e in ("out", "err"))
     seen: set[int] = set()  # the child's descendants (without a cgroup)
     try:
@@ -243,6 +250,7 @@ def run_child(
             "peak_bytes": max((used for _, used in samples), default=0),
             "measured_by": "cgroup rss+shmem" if group else "sum of PSS",
             "returncode": child.returncode,
+            "cgroup_problem": problem,
         }
         if group:
             got["max_usage_bytes"] = group.max_usage()
