@@ -15,7 +15,9 @@ wrapped by a timer (``time.perf_counter``) for the run; the totals go into share
 row per process (the main process, each worker), so the workers' time comes back too. Workers
 are forked, so they inherit the wrappers. Stages nest (an indented stage is part of the one above
 it); "main: loop" is the whole loop per batch, "main: next()" the DataLoader's ``next()``
-(waiting for a worker, receiving the batch, and the claim when it runs there). The timers add a
+(waiting for a worker, receiving the batch, and the claim when it runs there). The lookahead
+policy's reader is a thread of the main process: its time is the main process's too, and is
+wall time, waits for the interpreter lock included. The timers add a
 microsecond or two per stage. Times are per batch, medians over ``--repeats`` passes (a pass is
 ``--batches`` batches, after a warm-up pass); the machine may be shared, so compare rows within
 one run, as ratios.
@@ -52,8 +54,11 @@ STAGES = (
     ("  hand-off", "embedpipe.owner:Owner.hand_off"),
     ("    rows from the cache/table", "embedpipe.cache:RowCache.current"),
     ("    admission", "embedpipe.cache:RowCache.admit"),
+    ("    rows the reader read ahead", "embedpipe.lookahead:Stream.take"),
     ("main: receive (unpickle)", "multiprocessing.reduction:ForkingPickler.loads"),
     ("main: inputs_embeds", "embedpipe.batch:EmbeddedBatch.__getitem__"),
+    ("main, lookahead thread: batch ids", "embedpipe.lookahead:Stream._ids"),
+    ("main, lookahead thread: rows read", "embedpipe.lookahead:Stream._fill"),
     ("worker: samples, checked one by one", "embedpipe.worker:CheckedDataset.__getitem__"),
     ("worker: samples, checked as a batch", "embedpipe.worker:CheckedDataset.__getitems__"),
     ("worker: lookup", "embedpipe.worker:Lookup.__call__"),
