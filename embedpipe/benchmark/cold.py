@@ -47,7 +47,7 @@ from .options import fraction, integer
 from .report import target
 
 NAME = "cold"
-QUICK = {"cold_limit_mib": 512, "cold_batches": 40, "cold_reads": 6000, "cold_repeats": 3}
+QUICK = {"cold_limit_mib": 640, "cold_batches": 40, "cold_reads": 6000, "cold_repeats": 3}
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
 #: The in-RAM contender's memory without its table may grow by this much for embedpipe's pipe.
 SLACK = 1.2
