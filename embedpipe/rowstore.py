@@ -32,12 +32,12 @@ read otherwise). A batch is read in two passes, so that a cold disk sees the who
     pass 2, per row left:  preadv (blocking), in the same order: the pages are in flight
 
 Pass 1 issues every missed row of the batch to the disk before waiting for any, from one thread:
-the device sees a queue as deep as the batch's misses, not one read at a time (measured on this
-VM's disk: 3-5x the serial rate, above 16 threads of ``pread``, and a warm read costs one
-system call per row, 1.6-2x the ``mmap`` copy). Where ``RWF_NOWAIT`` is not supported (not
-Linux, or a file system that refuses it) every row takes pass 2, one blocking read at a time.
-No threads, so nothing to restart in a forked DataLoader worker: inherited file descriptors
-read as well in the child.
+the device sees a queue as deep as the batch's misses, not one read at a time (measured, see
+``docs/cold-reads.md``: cold reads 2.6-5.5x the earlier ``mmap`` reader and faster than 16
+threads of ``pread``; warm reads 2-7x, a system call per row costing less than a page fault).
+Where ``RWF_NOWAIT`` is not supported (not Linux, or a file system that refuses it) every row
+takes pass 2, one blocking read at a time. No threads, so nothing to restart in a forked
+DataLoader worker: inherited file descriptors read as well in the child.
 
 Row writes (``write``) go in place, one ``pwrite`` per row, and are visible to every reader at
 once, with one exception: a chunk file that is also part of a committed checkpoint (its link
