@@ -33,6 +33,7 @@ import contextlib
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
                 result["runs"][name] = run_child(spec, limit_bytes, name_here, workdir)
                 bar.update()
     finally:
-        _remove_table(path)
+        shutil.rmtree(path, ignore_errors=True)
     problems = [r["cgroup_problem"] for r in result["runs"].values() if r["cgroup_problem"]]
     result["cgroup"] = problems[0] if problems else None
     return result
@@ -279,12 +280,6 @@ def kill(pids: set[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-
-
-def _remove_table(path: str) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------- the report
