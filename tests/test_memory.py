@@ -52,8 +52,8 @@ def memory(loader) -> tuple[int, list[int]]:
 
 @pytest.mark.timeout(300)
 def test_neither_owner_nor_workers_grow_with_the_table(tmp_path):
-    # Large chunks: every chunk file stays mapped in the readers (fewer than MAX_MAPPED_CHUNKS),
-    # so pages they read would pile up if the read path did not drop them.
+    # Large chunks: every chunk file stays open in the readers (fewer than MAX_OPEN_CHUNKS); what
+    # they read must not pile up in their memory.
     embedpipe.Table.create(tmp_path / "big.zarr", ROWS, DIM, chunk_rows=4096).close()
     pipe = EmbeddingPipe(
         tmp_path / "big.zarr", cache_rows=CACHE_ROWS, optimizer=embedpipe.optim.SGD(lr=0.1)
