@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_convert
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, default_convert
 
 from . import budget
 from .batch import EmbeddedBatch
 from .collate import PadCollator
 from .errors import WorkerDiedError
-from .lookahead import Ahead, Stream
+from .lookahead import Foresight
 from .ring import BatchRing
 from .shm import SharedBlock
 from .worker import CheckedDataset, CheckedIterable, LookedUp, Lookup
@@ -77,6 +77,9 @@ class PipeSource:
                     RuntimeWarning,
                     stacklevel=4,
                 )
+        stream = self.owner.stream
+        if stream is not None and stream.source is self:  # one of the batches it foresaw
+            stream.claim(item.unique_ids)
         return self.owner.hand_off(item, rows, self.pin or (pin and torch.cuda.is_available()))
 
 
@@ -142,41 +145,29 @@ class PipeLoader(DataLoader):
         self.pipe = pipe  # kept alive while the loader is
         self.ring = ring
         self.ids_key = ids_key
+        if (
+            owner.looks_ahead
+            and type(self.batch_sampler) is BatchSampler  # the default: batch_size=, shuffle=
+            and getattr(self, "in_order", True)
+        ):
+            # The batches' order is the batch sampler's: a Foresight in its place (the same
+            # batches) lets the lookahead policy see it, in this loader and in the loaders
+            # frameworks build from its batch sampler (Accelerate's prepare and
+            # skip_first_batches). DataLoader refuses the attribute after __init__: set it anyway.
+            sight = Foresight(self.batch_sampler, owner, dataset, ids_key, source, self._defer)
+            object.__setattr__(self, "batch_sampler", sight)
 
     def __iter__(self) -> Iterator[EmbeddedBatch]:  # type: ignore[override]
-        iterator = super().__iter__()
-        stream = self._foresee(iterator)
         try:
-            for number, batch in enumerate(self._batches(iterator)):
-                if stream is not None:
-                    stream.claim(number)
+            for batch in self._batches():
                 yield batch._claim()
         finally:
-            if stream is not None:
-                self.pipe._owner.end_stream(stream)
+            if isinstance(self.batch_sampler, Foresight):
+                self.batch_sampler.stop()  # an epoch left early: the window is free again
 
-    def _foresee(self, iterator: Any) -> Stream | None:
-        """Let the lookahead policy see this epoch's batches before they are dispatched
-        (``lookahead.py``), when their order is the sampler's and nothing else owns the window."""
-        owner = self.pipe._owner
-        inner = getattr(iterator, "_sampler_iter", None)
-        if (
-            not owner.looks_ahead
-            or owner.stream is not None
-            or inner is None
-            or isinstance(self.dataset, IterableDataset)
-            or not getattr(self, "in_order", True)
-        ):
-            return None
-        # batches the workers were sent before this point are not foreseen
-        order = Ahead(inner, getattr(iterator, "_send_idx", 0))
-        iterator._sampler_iter = order
-        return owner.start_stream(
-            self.dataset.dataset, self.ids_key, order, self._auto_collation, self._defer
-        )
-
-    def _batches(self, iterator: Any) -> Iterator[EmbeddedBatch]:
+    def _batches(self) -> Iterator[EmbeddedBatch]:
         """The DataLoader's output, with a failed batch ending the epoch cleanly."""
+        iterator = super().__iter__()
         inline = self.num_workers == 0  # the lookup runs at next(), in this thread
         try:
             while True:

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from torch.utils.data import BatchSampler
 
 from .shm import SharedBlock
 from .table import WEIGHT, Table
@@ -51,8 +52,9 @@ if TYPE_CHECKING:
 class Ahead:
     """The sampler's iterator, drawn from by the DataLoader and, ahead of it, by the reader.
 
-    ``on_draw(number)`` runs before the DataLoader gets batch ``number`` (to dispatch it to a
-    worker): the stream moves its window past that batch there.
+    ``on_first()`` runs once the DataLoader has drawn the first batch (the reader starts only
+    then: see :class:`Foresight`); ``on_draw(number)`` runs before the DataLoader gets batch
+    ``number`` (to dispatch it to a worker): the stream moves its window past that batch there.
     """
 
     def __init__(self, inner: Iterator[Any], taken: int) -> None:
@@ -61,7 +63,9 @@ class Ahead:
         self.drawn = taken  # batches the DataLoader has drawn
         self.buffer: deque[Any] = deque()  # drawn by the reader, not yet by the DataLoader
         self.lock = threading.Lock()
+        self.on_first: Callable[[], None] | None = None
         self.on_draw: Callable[[int], None] | None = None
+        self.exhausted = False  # the DataLoader has drawn every batch
 
     def __iter__(self) -> Ahead:
         return self
@@ -71,12 +75,19 @@ class Ahead:
             if self.buffer:
                 item = self.buffer.popleft()
             else:
-                item = next(self.inner)
+                try:
+                    item = next(self.inner)
+                except StopIteration:
+                    self.exhausted = True
+                    raise
                 self.taken += 1
             number = self.drawn
             self.drawn += 1
         if self.on_draw is not None:
             self.on_draw(number)
+        if self.on_first is not None:
+            first, self.on_first = self.on_first, None
+            first()
         return item
 
     def peek(self) -> tuple[int, Any]:
@@ -86,6 +97,53 @@ class Ahead:
             self.taken += 1
             self.buffer.append(item)
             return self.taken - 1, item
+
+
+class Foresight(BatchSampler):
+    """The loader's batch sampler, the same batches in the same order, iterated through
+    :class:`Ahead` with a :class:`Stream` reading ahead when the window is free (from the first
+    batch the DataLoader draws on).
+
+    Being the loader's ``batch_sampler`` (a ``BatchSampler``, whose ``sampler`` a framework may
+    replace), it also serves the loaders that frameworks build from it: Accelerate's
+    ``prepare`` and ``skip_first_batches``, and with them Trainer.
+    """
+
+    def __init__(
+        self,
+        batch_sampler: BatchSampler,
+        owner: Owner,
+        dataset: Any,
+        ids_key: str,
+        source: Any,
+        defer: SharedBlock | None,
+    ) -> None:
+        super().__init__(batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last)
+        self._owner, self._dataset, self._ids_key = owner, dataset, ids_key
+        self._source, self._defer = source, defer
+        self._stream: Stream | None = None
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.stop()  # a new epoch of this loader: its last one is over
+        order = Ahead(super().__iter__(), 0)
+        order.on_first = lambda: self._begin(order)
+        return order
+
+    def _begin(self, order: Ahead) -> None:
+        """The DataLoader drew its first batch: the reader may go on from there. Not sooner: a
+        sampler draws its order when first asked (``RandomSampler`` from torch's global
+        generator, accelerate's ``SeedableRandomSampler`` from its epoch, which it counts up
+        when exhausted), and torch makes an iterator it never draws from before the one it
+        uses; so the sampler sees the calls it would without lookahead, in the same order, only
+        the later ones sooner."""
+        self._stream = self._owner.start_stream(
+            self._dataset, self._ids_key, order, self._source, self._defer
+        )
+
+    def stop(self) -> None:
+        if self._stream is not None:
+            self._owner.end_stream(self._stream)
+            self._stream = None
 
 
 class Stream:
@@ -98,15 +156,15 @@ class Stream:
         dataset: Any,
         ids_key: str,
         order: Ahead,
-        batched: bool,
+        source: Any,
         defer: SharedBlock | None = None,
     ) -> None:
         self.owner = owner
+        self.source = source  # the loader's PipeSource: its hand-offs are this stream's batches
         self.policy = owner.cache.policy
         self.dataset = dataset
         self.ids_key = ids_key
         self.order = order
-        self.batched = batched
         self.padding = owner.padding_idx
         self.num_rows = owner.table.num_rows
         self.foreseen: deque[int] = deque()  # numbers of the batches in the policy's window
@@ -146,19 +204,36 @@ class Stream:
                 self.policy.held[ids] += 1  # until its lookup is done
                 self.in_flight_ids.append((passed, ids))
 
-    def claim(self, number: int) -> None:
-        """The loop claims batch ``number``: its lookup is done, its rows need not stay. A read
-        of its misses under way finishes first (else the hand-off would read them too)."""
-        with self.wake:
-            while self.filling == number and not self.stopped:
+    def claim(self, ids: np.ndarray) -> None:
+        """A batch of this stream's loader is being handed off, with unique ``ids``: find it among
+        the batches in flight (the first whose foreseen ids it mostly shares: a collate may add
+        or change a few), release it and every batch dispatched before it (one a framework
+        skipped, say), and make its misses read ahead :attr:`ready` for the hand-off."""
+        with self.wake:  # a read of its misses under way finishes first
+            while self.filling is not None and not self.stopped:
                 self.wake.wait()
-            self.claimed = number
         with self.owner.lock:
-            while self.in_flight_ids and self.in_flight_ids[0][0] <= number:
-                self.policy.held[self.in_flight_ids.popleft()[1]] -= 1
+            probe = ids[:: max(1, len(ids) // 64)]  # a sample: the test is about 64 ids
+            found = next(
+                (
+                    n
+                    for n, (_, had) in enumerate(self.in_flight_ids)
+                    if np.isin(probe, had, assume_unique=True).mean() >= 0.5
+                ),
+                None,
+            )
+            if found is None:
+                self.ready = None
+                return
+            for _ in range(found + 1):
+                number, had = self.in_flight_ids.popleft()
+                self.policy.held[had] -= 1
             for done in [n for n in self.buffers if n < number]:
-                del self.buffers[done]  # batches claimed elsewhere
+                del self.buffers[done]  # batches that were never handed off
             self.ready = self.buffers.pop(number, None)
+            self.claimed = number
+        with self.wake:
+            self.wake.notify_all()
 
     def take(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """For the hand-off of the batch just claimed: put the rows of ``ids`` (its misses) that
@@ -173,6 +248,12 @@ class Stream:
             rows[found] = had_rows[where[found]]
             left &= ~found
         return np.flatnonzero(left)
+
+    @property
+    def finished(self) -> bool:
+        """Stopped, or every batch drawn and claimed (a framework's loader never says it is
+        done: the next epoch of any loader may take the window then)."""
+        return self.stopped or (self.order.exhausted and not self.in_flight_ids)
 
     def stop(self) -> None:
         if self.defer is not None:
@@ -211,7 +292,7 @@ class Stream:
                 peeked = None
                 if number <= self.dispatched:
                     continue  # the DataLoader got there first
-                ids = self._ids(indices if self.batched else [indices])
+                ids = self._ids(indices)
             except Exception:  # the worker reports a bad sample, loudly; here it just stops
                 return
             with self.owner.lock:

@@ -205,11 +205,19 @@ class Owner:
         )
 
     def start_stream(
-        self, dataset: Any, ids_key: str, order: Ahead, batched: bool, defer: SharedBlock | None
-    ) -> Stream:
-        """A loader's epoch whose order is known: it feeds the lookahead policy's window."""
+        self, dataset: Any, ids_key: str, order: Ahead, source: Any, defer: SharedBlock | None
+    ) -> Stream | None:
+        """A loader's epoch whose order is known: it feeds the lookahead policy's window, unless
+        another loader's epoch does (then None)."""
+        if self.closed:
+            return None
         with self.lock:
-            self.stream = Stream(self, dataset, ids_key, order, batched, defer)
+            if self.stream is not None and not self.stream.finished:
+                return None
+        if self.stream is not None:
+            self.end_stream(self.stream)
+        with self.lock:
+            self.stream = Stream(self, dataset, ids_key, order, source, defer)
         return self.stream
 
     def end_stream(self, stream: Stream) -> None:
@@ -385,6 +393,8 @@ class Owner:
         """
         if self.closed:
             return
+        if self.stream is not None:
+            self.end_stream(self.stream)
         error: BaseException | None = None
         if self.writeback is not None:
             if self.gradient.pending:

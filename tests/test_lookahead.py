@@ -124,7 +124,7 @@ def test_rows_of_dispatched_batches_stay_cached_until_they_are_claimed(tmp_path)
     with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=4) as pipe:
         owner = pipe._owner
         order = Ahead(iter([[n] for n in range(len(samples))]), taken=0)
-        stream = owner.start_stream(samples, "input_ids", order, True, defer=None)
+        stream = owner.start_stream(samples, "input_ids", order, source=None, defer=None)
         try:
             deadline = time.monotonic() + 10
             while owner.cache.policy.foreseen < 10 and time.monotonic() < deadline:
@@ -135,8 +135,8 @@ def test_rows_of_dispatched_batches_stay_cached_until_they_are_claimed(tmp_path)
                 owner.cache.admit(rows, np.zeros((4, 2), np.float32))
                 owner.cache.admit(ids(40, 41, 42, 43), np.zeros((4, 2), np.float32))
             assert dispatched == [[0], [1]] and (owner.shared.slot_of[rows] >= 0).all()
-            stream.claim(0)
-            stream.claim(1)  # both looked up: their rows are no longer needed soon
+            stream.claim(ids(0, 1))
+            stream.claim(ids(2, 3))  # both looked up: their rows are no longer needed soon
             with owner.lock:
                 owner.cache.admit(ids(40, 41, 42, 43), np.zeros((4, 2), np.float32))
             assert (owner.shared.slot_of[rows] < 0).all()

@@ -53,7 +53,7 @@ def test_a_hot_row_stays_cached_when_each_batch_brings_more_misses_than_slots(tm
                 pass
             read[policy] = pipe.stats()["rows_read"]
             assert (pipe._owner.shared.slot_of[30] >= 0) == (policy != "lru")
-    assert (
-        read["lfu"] == read["auto"] == 2 * 15 + 2
-    )  # 30 read twice: at first it ties with one-offs
+    assert read["lfu"] == 2 * 15 + 2  # 30 read twice: at first it ties with one-offs
+    # lookahead knows 30 comes back (once its reader has seen the batches: timing)
+    assert 2 * 15 + 1 <= read["auto"] <= read["lfu"]
     assert read["lru"] > read["lfu"]
