@@ -22,6 +22,13 @@ def trace(monkeypatch):
     events = []
     monkeypatch.setattr(cache, "fence", lambda: events.append("fence"))
     monkeypatch.setattr(ring, "fence", lambda: events.append("fence"))
+    take_rows = cache.take_rows  # copies the rows with torch, not through the array's [ ]
+
+    def recorded_take_rows(rows, index):
+        events.append("read rows")
+        return take_rows(rows, index)
+
+    monkeypatch.setattr(cache, "take_rows", recorded_take_rows)
     return events
 
 
