@@ -113,7 +113,12 @@ class EmbeddingPipe:
                 cache_rows = min(int(cache_rows), table.num_rows)
                 states = len(optimizer.state_init()) if optimizer is not None else 0
                 needed = budget.pipe_memory(
-                    table.num_rows, table.dim, table.dtype, cache_rows, state_arrays=states
+                    table.num_rows,
+                    table.dim,
+                    table.dtype,
+                    cache_rows,
+                    state_arrays=states,
+                    policy=policy if lookahead else "lfu",
                 )
                 budget.warn_if_too_big(needed["total"], f"EmbeddingPipe(cache_rows={cache_rows:,})")
                 options = dict(
