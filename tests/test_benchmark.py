@@ -72,7 +72,7 @@ def test_every_section_and_target(tmp_path, capsys, words):
     for goal in GOALS:
         assert any(goal in t["target"] for t in targets), goal
     reads = [t for t in targets if t["target"].startswith("rows read")]
-    assert len(reads) == 2 * 4  # Zipf and text, at 2, 5, 10 and 20%
+    assert len(reads) == 2 * 4 + 1  # Zipf and text, at 2, 5, 10 and 20%; a real pipe, workers
     for t in targets:
         assert t["met"] in (True, False, None) and t["goal"], t
     names = [r["name"] for r in result["sections"]["throughput"]["rows"]]
