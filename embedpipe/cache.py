@@ -210,6 +210,8 @@ class RowCache:
     ) -> None:
         self.shared = shared
         self.policy = policy
+        if hasattr(policy, "attach"):
+            policy.attach(shared.slot_of, shared.slot_id)
         self.fetch = fetch
         self.store = store
         size, dim = shared.rows.shape

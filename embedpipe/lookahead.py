@@ -201,7 +201,7 @@ class Stream:
                 passed = self.foreseen.popleft()
                 ids = self.ids_of.pop(passed)
                 self.policy.advance()
-                self.policy.held[ids] += 1  # until its lookup is done
+                self.policy.adjust_held(ids, 1)  # until its lookup is done
                 self.in_flight_ids.append((passed, ids))
 
     def claim(self, ids: np.ndarray) -> None:
@@ -227,7 +227,7 @@ class Stream:
                 return
             for _ in range(found + 1):
                 number, had = self.in_flight_ids.popleft()
-                self.policy.held[had] -= 1
+                self.policy.adjust_held(had, -1)
             for done in [n for n in self.buffers if n < number]:
                 del self.buffers[done]  # batches that were never handed off
             self.ready = self.buffers.pop(number, None)
@@ -267,7 +267,7 @@ class Stream:
             self.ids_of.clear()
             self.buffers.clear()
             while self.in_flight_ids:
-                self.policy.held[self.in_flight_ids.popleft()[1]] -= 1
+                self.policy.adjust_held(self.in_flight_ids.popleft()[1], -1)
 
     # ------------------------------------------------------------------ the reader thread
     def _run(self) -> None:

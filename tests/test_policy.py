@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import embedpipe
+from embedpipe.cache import RowCache, SharedRows
 from embedpipe.policy import LFU, LRU, make_policy
 
 
@@ -57,3 +58,38 @@ def test_a_hot_row_stays_cached_when_each_batch_brings_more_misses_than_slots(tm
     # lookahead knows 30 comes back (once its reader has seen the batches: timing)
     assert 2 * 15 + 1 <= read["auto"] <= read["lfu"]
     assert read["lru"] > read["lfu"]
+
+
+@pytest.mark.parametrize("name", ["lfu", "lookahead"])
+def test_scores_kept_per_slot_equal_scores_computed_from_scratch(name):
+    """NOTE [ Scores kept per slot ]: after every change (batches recorded and foreseen, the
+    window moved and restarted, rows held and released, LFU's counts halved), each slot's kept
+    score is its row's score."""
+    rng = np.random.default_rng(0)
+    shared = SharedRows(500, 40, 1, np.float32)
+    cache = RowCache(
+        shared,
+        make_policy(name, 40, 500, window=5),
+        lambda ids, _: np.zeros((len(ids), 1), np.float32),
+        lambda ids, rows, _: None,
+    )
+    policy = cache.policy
+    batches = [np.unique(rng.integers(0, 500, 30)) for _ in range(300)]
+    looks = name == "lookahead"
+    for t, batch in enumerate(batches):
+        if looks:
+            if t % 97 == 0:
+                policy.restart()
+            if t + 5 < len(batches):
+                policy.foresee(batches[t + 5])
+            policy.advance()
+            policy.training = t % 2 == 0
+        cache.admit(batch, np.zeros((len(batch), 1), np.float32))
+        if looks and t % 3 == 0:
+            policy.hold(batch)
+        if looks and t % 7 == 0:
+            policy.release()
+        occupied = np.flatnonzero(shared.slot_id >= 0)
+        expected = policy.row_score(shared.slot_id[occupied], occupied)
+        assert np.array_equal(policy.score[occupied], expected), t
+        assert (policy.score[shared.slot_id < 0] == -1).all()
