@@ -200,3 +200,34 @@ def test_a_step_does_not_read_again_the_rows_its_batch_was_handed(tmp_path, poli
     )
     assert stats["staged"] > 0
     assert stats["rows_read"] == stats["misses"] - stats["deferred"]
+
+
+class SlowInTheMainProcess(torch.utils.data.Dataset):
+    """Fast in the workers, slow where the lookahead reader fetches (the training process)."""
+
+    def __init__(self, tokens: np.ndarray) -> None:
+        self.tokens = torch.from_numpy(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        if torch.utils.data.get_worker_info() is None:
+            time.sleep(0.005)
+        return {"input_ids": self.tokens[i]}
+
+
+def test_a_reader_that_cannot_keep_up_hands_the_misses_back_to_the_workers(tmp_path):
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 2000, size=(60 * 8, 16))
+    weight = torch.randn(2000, 4)
+    embedpipe.Table.from_tensor(tmp_path / "t.zarr", weight).close()
+    handed_back = []
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100) as pipe:
+        loader = pipe.loader(SlowInTheMainProcess(tokens), batch_size=8, num_workers=2)
+        for batch in loader:
+            assert torch.equal(batch["inputs_embeds"], weight[batch["input_ids"]])
+            stream = pipe._owner.stream
+            handed_back.append(stream is not None and stream.handed_back)
+        stats = pipe.stats()
+    assert any(handed_back) and stats["deferred"] < stats["misses"]
