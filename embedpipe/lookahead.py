@@ -29,7 +29,9 @@ reader is late, then admits them as usual. Each row is read once for all the bat
 and the reads run beside the loop, in a thread that mostly waits on the disk. A buffered row is
 used only if no step changed it since it was read (its ``last_updated`` tick); the table has the
 newest copy of every row the cache lacks (invariant 3). The buffers hold at most the batches in
-flight.
+flight. One thread reads for all the workers, so when it cannot keep up with the loop (a cold
+disk, a loop with no model to hide it) the stream hands the misses back to the workers
+(``Stream._keep_up``): reading in parallel beats reading each row once there.
 """
 
 from __future__ import annotations
