@@ -49,6 +49,7 @@ from transformers import BertConfig, BertForSequenceClassification
 
 import embedpipe
 import embedpipe.hf
+from embedpipe.benchmark.options import integer
 
 PAD, CLS = 0, 1  # ids 0 and 1 are [PAD] and [CLS]; words are ids 2 .. vocab-1
 NUM_MARKERS = 8
@@ -69,19 +70,6 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def integer(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
-        return value
-
-    return parse
 
 
 def positive_float(text: str) -> float:
