@@ -17,6 +17,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from . import __version__, budget, simulate
+from . import advice as advising
 from .convert import DTYPES, ConvertedShard, convert
 from .errors import EmbedpipeError
 from .optim import Adagrad, Adam
@@ -123,22 +124,22 @@ def cmd_advise(args: argparse.Namespace) -> None:
     if memory is None:
         raise ValueError("cannot tell how much memory this machine has; pass --memory (as 512MB)")
     if args.png:
-        simulate.matplotlib()  # a missing matplotlib fails now, not after the simulation
-    ids = simulate.load_trace(args.trace, num_rows)
+        advising.matplotlib()  # a missing matplotlib fails now, not after the simulation
+    ids = advising.load_trace(args.trace, num_rows)
     sets = simulate.batch_sets(ids, args.batch_size)
     sizes = [parse_cache_size(text, num_rows) for text in args.sizes] if args.sizes else None
     state_arrays = STATE_ARRAYS[args.optimizer]
     best = budget.largest_cache(
         memory, num_rows, dim, dtype, state_arrays=state_arrays, num_workers=args.workers
     )
-    replays = len({*(sizes or simulate.advice_sizes(num_rows)), best}) * len(simulate.POLICIES)
+    replays = len({*(sizes or advising.advice_sizes(num_rows)), best}) * len(simulate.POLICIES)
     with tqdm(total=replays + 8, desc="simulating", unit="run") as bar:  # + 8: the knee's
 
         def progress(policy: str, cache_rows: int) -> None:
             bar.set_postfix_str(f"{policy} at {cache_rows:,} rows")
             bar.update()
 
-        advice = simulate.advise(
+        advice = advising.advise(
             sets,
             num_rows,
             dim,
@@ -153,7 +154,7 @@ def cmd_advise(args: argparse.Namespace) -> None:
         bar.total = bar.n  # the knee took fewer, or more
     print(format_advice(advice, args))
     if args.png:
-        simulate.plot_curve(advice, args.png)
+        advising.plot_curve(advice, args.png)
         print(f"\nmiss-ratio curve drawn in {args.png}")
     if args.json:
         with open(args.json, "w") as f:
@@ -196,11 +197,11 @@ def format_advice(advice: dict, args: argparse.Namespace) -> str:
         f"({100 * best['cache_rows'] / num_rows:.1f}% of {num_rows:,} rows), the largest that fits "
         f"{fmt(advice['memory_budget'])} ({advice['memory_budget']:,} bytes): "
         f"{fmt(best['memory']['total'])} ({parts}); "
-        f"{simulate.DEFAULT_POLICY} reads {best['rows_read']:,} rows, "
+        f"{advising.DEFAULT_POLICY} reads {best['rows_read']:,} rows, "
         f"{best['rows_read'] / max(1, best['optimum']):.2f}x the optimum, {saved:.0%} fewer than "
         "no cache"
     )
-    within = f"within {simulate.KNEE_TOLERANCE:.0%} of that ({knee['rows_read']:,} rows)"
+    within = f"within {advising.KNEE_TOLERANCE:.0%} of that ({knee['rows_read']:,} rows)"
     if knee["cache_rows"] < best["cache_rows"]:
         lines.append(
             f"knee: cache_rows={knee['cache_rows']:,} "

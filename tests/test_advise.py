@@ -1,4 +1,4 @@
-"""``embedpipe advise`` (and ``simulate.advise``): the curve, the recommended size, the knee, the
+"""``embedpipe advise`` (and ``advice.advise``): the curve, the recommended size, the knee, the
 picture, one-line errors; and ``embedpipe bench`` handing its arguments to the benchmark."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import pytest
 
 import embedpipe
 from embedpipe import simulate
+from embedpipe.advice import advice_sizes, advise
 from embedpipe.budget import pipe_memory
-from embedpipe.simulate import advise, batch_sets, rows_read
+from embedpipe.simulate import batch_sets, rows_read
 
 from .test_simulate import zipf_ids
 
@@ -53,7 +54,7 @@ def test_advise_recommends_the_largest_cache_that_fits_and_finds_the_knee(trace)
 
     curve = advice["curve"]
     assert best in curve["cache_rows"] and set(curve["rows_read"]) == set(simulate.POLICIES)
-    assert curve["cache_rows"] == sorted({*simulate.advice_sizes(NUM_ROWS), best})
+    assert curve["cache_rows"] == sorted({*advice_sizes(NUM_ROWS), best})
     for i, size in enumerate(curve["cache_rows"]):  # the optimum is the least of all
         optimum = curve["rows_read"]["belady"][i]
         assert all(reads[i] >= optimum for reads in curve["rows_read"].values()), size
