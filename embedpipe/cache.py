@@ -32,7 +32,7 @@ the cache broken if it is interrupted.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +61,29 @@ def take_rows(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
             torch.from_numpy(rows), 0, torch.from_numpy(index), out=torch.from_numpy(out)
         )
     return out
+
+
+#: A copy of rows the cache lacks: (sorted ids, their rows, the clock tick they were read at).
+Copy = tuple[np.ndarray, np.ndarray, int]
+
+
+def from_copies(
+    copies: Iterable[Copy], ids: np.ndarray, last_updated: np.ndarray, dim: int, dtype: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of ``ids`` that ``copies`` (the first that has an id wins) hold and no step
+    changed since (``last_updated`` at most the copy's tick): returns ``(found, rows)``, ``rows``
+    valid where ``found``. The owner's copies: a training batch's rows staged for its step
+    (``RowCache.stage``) and the lookahead reader's reads for batches in flight."""
+    found = np.zeros(len(ids), dtype=bool)
+    rows = np.empty((len(ids), dim), dtype=dtype)
+    for had, had_rows, tick in copies:
+        if not len(had):
+            continue
+        at = np.minimum(np.searchsorted(had, ids), len(had) - 1)
+        hit = ~found & (had[at] == ids) & (last_updated[ids] <= tick)
+        rows[hit] = had_rows[at[hit]]
+        found |= hit
+    return found, rows
 
 
 class CacheBrokenError(EmbedpipeError, RuntimeError):
@@ -220,7 +243,7 @@ class RowCache:
         self.state_loaded = np.zeros(size, dtype=bool)
         self.pinned = np.zeros(size, dtype=bool)  # slots an optimizer step is computing on
         #: rows of training batches the cache lacks, as handed out: (ids, rows, tick) (``stage``)
-        self.staged: deque[tuple[np.ndarray, np.ndarray, int]] = deque(maxlen=MAX_STAGED)
+        self.staged: deque[Copy] = deque(maxlen=MAX_STAGED)
         self.last_admitted = 0  # rows the last hand-off admitted: about what the next evicts
         self.clock = 0  # ticks: one per applied step (and one per reset); published to workers
         self.last_updated = np.zeros(len(shared.slot_of), dtype=np.int32)  # tick of last change
@@ -282,10 +305,14 @@ class RowCache:
         self.pinned[s] = True
         rows = take_rows(self.shared.rows, np.maximum(slots, 0))  # the uncached: set below
         rest = np.flatnonzero(~cached)
-        if len(rest):
-            left = rest[~self._unstage(ids[rest], rows, rest)]
-            if len(left):
-                rows[left] = self._fetch(ids[left], "weight")
+        if len(rest):  # the batches' staged copies first, the table for the others
+            found, staged = from_copies(
+                reversed(self.staged), ids[rest], self.last_updated, rows.shape[1], rows.dtype
+            )
+            rows[rest[found]] = staged[found]
+            self.counts["staged"] += int(found.sum())
+            if not found.all():
+                rows[rest[~found]] = self._fetch(ids[rest[~found]], "weight")
         self.staged.clear()  # the batches handed out so far are in this step, or never will be
         state = {name: np.empty_like(rows) for name in self.state}
         for name, array in self.state.items():
@@ -301,18 +328,6 @@ class RowCache:
         missing = np.flatnonzero(self.shared.slot_of[ids] < 0)
         if len(missing):
             self.staged.append((ids[missing], rows[missing].copy(), self.clock))
-
-    def _unstage(self, ids: np.ndarray, out: np.ndarray, where: np.ndarray) -> np.ndarray:
-        """Put the staged rows of ``ids`` that no step changed since they were staged into
-        ``out[where]``, newest first; returns which ``ids`` were found."""
-        found = np.zeros(len(ids), dtype=bool)
-        for had, had_rows, tick in reversed(self.staged):
-            at = np.minimum(np.searchsorted(had, ids), len(had) - 1)
-            hit = ~found & (had[at] == ids) & (self.last_updated[ids] <= tick)
-            out[where[hit]] = had_rows[at[hit]]
-            found |= hit
-        self.counts["staged"] += int(found.sum())
-        return found
 
     def scatter(self, update: Update, before: Update) -> int:
         """Put the updated rows back: into their pinned slots, and into the table for the rest;

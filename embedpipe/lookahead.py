@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torch.utils.data import BatchSampler
 
+from .cache import Copy, from_copies
 from .shm import SharedBlock
 from .table import WEIGHT, Table
 
@@ -174,14 +175,14 @@ class Stream:
         self.order = order
         self.padding = owner.padding_idx
         self.num_rows = owner.table.num_rows
-        self.foreseen: deque[int] = deque()  # numbers of the batches in the policy's window
-        self.ids_of: dict[int, np.ndarray] = {}  # their ids
+        #: the batches in the policy's window: (number, ids)
+        self.foreseen: deque[tuple[int, np.ndarray]] = deque()
         self.in_flight_ids: deque[tuple[int, np.ndarray]] = deque()  # dispatched, not claimed
         self.claimed = order.drawn - 1
         #: rows read for dispatched batches whose workers left their misses to the owner:
         #: number -> (ids, rows, clock tick when read); ``ready``: the claimed batch's
-        self.buffers: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
-        self.ready: tuple[np.ndarray, np.ndarray, int] | None = None
+        self.buffers: dict[int, Copy] = {}
+        self.ready: Copy | None = None
         self.window = self.policy.window
         self.dispatched = order.drawn - 1  # the last batch the DataLoader drew (and dispatched)
         self.filled = order.drawn - 1  # the last dispatched batch whose misses were read
@@ -207,9 +208,8 @@ class Stream:
             self.dispatched = number
             self.wake.notify_all()  # the reader may go further ahead
         with self.owner.lock:
-            while self.foreseen and self.foreseen[0] <= number:
-                passed = self.foreseen.popleft()
-                ids = self.ids_of.pop(passed)
+            while self.foreseen and self.foreseen[0][0] <= number:
+                passed, ids = self.foreseen.popleft()
                 self.policy.advance()
                 self.policy.adjust_held(ids, 1)  # until its lookup is done
                 self.in_flight_ids.append((passed, ids))
@@ -268,19 +268,11 @@ class Stream:
             self.defer["misses"][0] = 0
             self.handed_back = True
 
-    def take(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """For the hand-off of the batch just claimed: put the rows of ``ids`` (its misses) that
-        the reader read and no step changed since into ``rows``; returns the positions left."""
+    def take(self, ids: np.ndarray, dim: int, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+        """For the hand-off of the batch just claimed: the rows of ``ids`` (its misses) that the
+        reader read and no step changed since, as ``cache.from_copies`` gives them."""
         ready, self.ready = self.ready, None
-        left = np.ones(len(ids), dtype=bool)
-        if ready is not None and len(ready[0]):
-            had, had_rows, had_tick = ready
-            where = np.minimum(np.searchsorted(had, ids), len(had) - 1)
-            found = had[where] == ids
-            found &= self.owner.cache.last_updated[ids] <= had_tick
-            rows[found] = had_rows[where[found]]
-            left &= ~found
-        return np.flatnonzero(left)
+        return from_copies([ready] if ready else [], ids, self.owner.cache.last_updated, dim, dtype)
 
     @property
     def finished(self) -> bool:
@@ -297,7 +289,6 @@ class Stream:
         with self.owner.lock:
             self.policy.restart()
             self.foreseen.clear()
-            self.ids_of.clear()
             self.buffers.clear()
             while self.in_flight_ids:
                 self.policy.adjust_held(self.in_flight_ids.popleft()[1], -1)
@@ -333,8 +324,7 @@ class Stream:
                     return
                 if number > self.dispatched:
                     self.policy.foresee(ids)
-                    self.foreseen.append(number)
-                    self.ids_of[number] = ids
+                    self.foreseen.append((number, ids))
 
     def _due(self, number: int) -> bool:
         """Work to do: a batch in flight to fill, or the peeked batch ``number`` within the window."""
@@ -367,19 +357,13 @@ class Stream:
                 missing = ids[self.owner.shared.slot_of[ids] < 0]
                 tick = self.owner.cache.clock
                 earlier = list(self.buffers.values())
-            rows = np.empty((len(missing), self.owner.table.dim), dtype=self.owner.table.dtype)
-            todo = np.ones(len(missing), dtype=bool)
-            for had, had_rows, had_tick in earlier:  # rows read for a batch in flight
-                if had_tick != tick or not len(had):
-                    continue  # a step since: that copy may be older (the table has the newest)
-                where = np.minimum(np.searchsorted(had, missing), len(had) - 1)
-                found = todo & (had[where] == missing)
-                rows[found] = had_rows[where[found]]
-                todo &= ~found
+            table, cache = self.owner.table, self.owner.cache
+            found, rows = from_copies(earlier, missing, cache.last_updated, table.dim, table.dtype)
+            todo = ~found
             if todo.any():
                 rows[todo] = self._reader().read(missing[todo])
             with self.owner.lock:
-                self.owner.cache.counts["rows_read"] += int(todo.sum())
+                cache.counts["rows_read"] += int(todo.sum())
                 self.buffers[number] = (missing, rows, tick)
         finally:
             with self.wake:

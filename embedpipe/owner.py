@@ -86,9 +86,8 @@ class Owner:
             0,
         )
         self._step_in_progress: int | None = None  # for the messages of failed table writes
-        self.generation = (
-            0  # snapshots loaded: step numbers restart, batches claimed before are stale
-        )
+        # snapshots loaded: step numbers restart, batches claimed before are stale
+        self.generation = 0
         self.closed = False
         #: The policy sees the loader's next batches (``lookahead.py``); ``stream`` feeds it.
         #: Not when the cache holds the whole table: nothing to choose then.
@@ -169,12 +168,10 @@ class Owner:
         ``lookahead.py``): from the lookahead reader's buffer, else the cache or the table."""
         self.counts["deferred"] += len(deferred)
         if self.stream is not None:
-            rows_left = np.empty((len(deferred), rows.shape[1]), dtype=rows.dtype)
-            left = self.stream.take(ids[deferred], rows_left)
-            filled = np.setdiff1d(np.arange(len(deferred)), left, assume_unique=True)
-            rows[deferred[filled]] = rows_left[filled]
-            self.counts["filled_ahead"] += len(filled)
-            deferred = deferred[left]
+            found, read = self.stream.take(ids[deferred], rows.shape[1], rows.dtype)
+            rows[deferred[found]] = read[found]
+            self.counts["filled_ahead"] += int(found.sum())
+            deferred = deferred[~found]
         if len(deferred):
             rows[deferred] = self.cache.current(ids[deferred])
 
