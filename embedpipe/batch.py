@@ -142,6 +142,8 @@ class EmbeddedBatch(Mapping[str, Any]):
         self.generation = generation  # the owner's count of loaded snapshots at that moment
         self._leaf: torch.Tensor | None = None  # the rows as the gradient's leaf, at _leaf_tick
         self._leaf_tick = -1
+        #: A sharded pipe: (step, generation) when the rows other ranks own were fetched.
+        self.fetched = (-1, -1)
 
     @classmethod
     def _looked_up(cls, item: LookedUp, source: str) -> EmbeddedBatch:
@@ -224,6 +226,18 @@ class EmbeddedBatch(Mapping[str, Any]):
             self._rows = self._rows.index_copy(0, positions.to(device), fresh.to(device))
         self.step, self.tick, self.generation = step, tick, generation
 
+    def _fetched(
+        self, positions: torch.Tensor, rows: torch.Tensor, step: int, generation: int
+    ) -> None:
+        """Owner of a sharded pipe: ``rows``, of the ids at ``positions``, from their owners."""
+        if len(positions):
+            device = self._rows.device
+            self._rows = self._rows.index_copy(
+                0, positions.to(device), rows.to(device, self._rows.dtype)
+            )
+            self._leaf = None  # new rows, a new leaf
+        self.fetched = (step, generation)
+
     def __getitem__(self, key: str) -> Any:
         if key != INPUTS_EMBEDS:
             return self.fields[key]
@@ -244,7 +258,7 @@ class EmbeddedBatch(Mapping[str, Any]):
     def to(self, device: torch.device | str, non_blocking: bool = False) -> EmbeddedBatch:
         """The batch on ``device``; ``inputs_embeds`` is then made there (and made final there)."""
         self._claim()
-        return EmbeddedBatch(
+        moved = EmbeddedBatch(
             _move(self.fields, device, non_blocking),
             self._unique_ids,
             self._inverse.to(device, non_blocking=non_blocking),
@@ -254,6 +268,8 @@ class EmbeddedBatch(Mapping[str, Any]):
             tick=self.tick,
             generation=self.generation,
         )
+        moved.fetched = self.fetched
+        return moved
 
     def pin_memory(self) -> EmbeddedBatch:
         """Called by the DataLoader's pin-memory thread: pins the fields now (the rows are pinned

@@ -7,12 +7,14 @@ status 1 and one line on stderr, ``embedpipe: error: ...``; a usage error exits 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -65,9 +67,15 @@ def cmd_info(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(info, indent=2))
         return
+    print_info(info)
+
+
+def print_info(info: dict[str, Any]) -> None:
     for name, value in info.items():
         if name == "checkpoints":
             value = "  ".join(f"step {c['step']} ({c['time']})" for c in value) or "none"
+        elif name == "shards":
+            value = describe_shards(value)
         print(f"{name:<16}{value}")
 
 
@@ -80,8 +88,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
                 f"created a {table.num_rows} x {table.dim} table at {path}; "
                 f"row 0 starts {first[0, :3].round(4).tolist()}"
             )
-        for name, value in table_info(Table.open(path)).items():
-            print(f"{name:<16}{value}")
+        print_info(table_info(Table.open(path)))
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
@@ -240,7 +247,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args.args)
 
 
-def table_info(table: Table) -> dict[str, object]:
+def table_info(table: Table) -> dict[str, Any]:
     """What ``embedpipe info`` prints, as a JSON-able dict."""
     meta = table.metadata
     chunk_bytes = table.chunk_rows * table.dim * table.dtype.itemsize
@@ -256,10 +263,23 @@ def table_info(table: Table) -> dict[str, object]:
         "step": table.step,
         "source": (meta.get("source") or {}).get("key", "-"),
         "keep": meta.get("keep", "-"),
+        "shards": meta.get("shards"),  # {"ranks", "bounds"}, or None: trained by one process
         "checkpoints": [
             {"step": c.step, "time": c.time, "path": c.path} for c in table.checkpoints
         ],
     }
+
+
+def describe_shards(shards: dict | None) -> str:
+    """How the last pipe that trained the table split it over ranks (``shards.py``)."""
+    if not shards:
+        return "none (trained by one process)"
+    bounds = shards["bounds"]
+    ranges = ", ".join(
+        f"rank {r}: rows {lo:,}-{hi - 1:,}" if hi > lo else f"rank {r}: none"
+        for r, (lo, hi) in enumerate(itertools.pairwise(bounds))
+    )
+    return f"{shards['ranks']} ranks ({ranges})"
 
 
 def positive_int(text: str) -> int:

@@ -19,7 +19,9 @@ that do not know embedpipe::
     ├── TableWriteError         OSError             writing the table failed (disk full, I/O error):
     │                                               names the table, the step and the file
     ├── WorkerDiedError         RuntimeError        a DataLoader worker died mid-epoch
-    ├── DistributedNotSupportedError  RuntimeError  a trained pipe in a process group of > 1
+    ├── DistributedNotSupportedError  RuntimeError  a pattern a sharded pipe cannot make exact
+    ├── ShardMismatchError      RuntimeError        ranks of a sharded table out of step
+    ├── PeerLostError           ConnectionError     a rank of a sharded table died or hangs
     ├── SourceFormatError       ValueError          a file `embedpipe import` cannot read
     ├── SourceKeyError          LookupError         no tensor, or several, match the key
     ├── ShardFormatError        ValueError          a shard `embedpipe convert` cannot read
@@ -94,7 +96,17 @@ class WorkerDiedError(EmbedpipeError, RuntimeError):
 
 
 class DistributedNotSupportedError(EmbedpipeError, RuntimeError):
-    """A pipe that trains its table was made in one of several training processes (torchrun)."""
+    """Something a pipe sharded over the ranks of a process group cannot do exactly."""
+
+
+class ShardMismatchError(EmbedpipeError, RuntimeError):
+    """The ranks of a sharded table disagree: they do different things at an exchange (one
+    reads a batch while another steps), are at different steps, or one failed what the others
+    did (a checkpoint's write). Raised on every rank."""
+
+
+class PeerLostError(EmbedpipeError, ConnectionError):
+    """A rank of a sharded table died or stopped answering; raised on the ranks still alive."""
 
 
 class SourceFormatError(EmbedpipeError, ValueError):

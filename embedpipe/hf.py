@@ -25,9 +25,11 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .errors import EmbedpipeError, InvalidRowsError
+from .shards import process_group
 from .table import Table
 
 #: Copies of the table an optimizer keeps on top of the weight and its gradient.
@@ -188,17 +190,57 @@ def offload(
             f"the input embedding weight {name} is tied to {', '.join(tied)}; "
             f"offloading it would leave {len(tied)} parameter(s) holding the table on the accelerator: {remedy}"
         )
-    table = Table.from_tensor(
-        path, weight.detach(), chunk_rows=chunk_rows, overwrite=overwrite, progress=progress
+    table = _write_once(
+        lambda: Table.from_tensor(
+            path, weight.detach(), chunk_rows=chunk_rows, overwrite=overwrite, progress=progress
+        ),
+        placeholder.padding_idx,
+        path,
     )
-    if placeholder.padding_idx is not None:  # the pipe's default padding_idx
-        table._update_metadata(padding_idx=int(placeholder.padding_idx))
     placeholder.path = table.path
     # the gradient parameter a pipe on this table will use: an optimizer built now holds it
     placeholder.attach(nn.Parameter(torch.empty(0, weight.shape[1], device=weight.device)))
     model.set_input_embeddings(placeholder)
+    ignore_in_ddp(model, placeholder)
     _OFFLOADED.setdefault(os.path.realpath(table.path), []).append(weakref.ref(placeholder))
     return table
+
+
+def _write_once(write: Any, padding_idx: int | None, path: Any) -> Table:
+    """The new table, written by this process, or (in a process group of several ranks, where
+    every rank offloads its copy of the model) by rank 0 while the others wait, then open it
+    read-only; a pipe made on every rank then shards it (``embedpipe/shards.py``)."""
+    group = process_group()
+    rank = dist.get_rank() if group is not None else 0
+    error, table = None, None
+    if rank == 0:
+        try:
+            table = write()
+            if padding_idx is not None:  # the pipe's default padding_idx
+                table._update_metadata(padding_idx=int(padding_idx))
+        except Exception as e:
+            error = e
+    if group is None:
+        if error is not None:
+            raise error
+        return table
+    said = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(said, src=0)
+    if error is not None:
+        raise error
+    if said[0] is not None:
+        raise RuntimeError(f"rank 0 could not offload the embeddings to {path}: {said[0]}")
+    return table if table is not None else Table.open(path)
+
+
+def ignore_in_ddp(model: nn.Module, placeholder: OffloadedEmbedding) -> None:
+    """Tell ``DistributedDataParallel`` to leave the table's gradient parameter alone: its
+    shape changes with every batch and its gradient is averaged by the pipe itself."""
+    name = next((n for n, m in model.named_modules() if m is placeholder), None)
+    if name is None:
+        return
+    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    model._ddp_params_and_buffers_to_ignore = sorted(ignored | {f"{name}.rows" if name else "rows"})
 
 
 def restore(model: nn.Module, source: Any) -> nn.Module:

@@ -133,7 +133,8 @@ class PipeLoader(DataLoader):
             if ring is not None and owner.looks_ahead
             else None
         )
-        lookup = Lookup(collate_fn, ids_key, table, shared, ring, source, self._defer)
+        owned = owner.shards.owned if owner.shards is not None else None
+        lookup = Lookup(collate_fn, ids_key, table, shared, ring, source, self._defer, owned)
         super().__init__(
             checked,
             batch_size=batch_size,

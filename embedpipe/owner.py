@@ -10,6 +10,10 @@ writer). Three kinds of code call it:
   gradient (``gradient.py``), and the optimizer step that takes it: :meth:`Owner.submit`;
 - the writeback thread: :meth:`Owner.apply` per step, :meth:`Owner.clean_ahead` when idle.
 
+A pipe sharded over the ranks of a process group has one owner per rank, each the only writer of
+its rows; they meet in the collectives of ``shards.py`` (NOTE [ One table over N ranks ]), at the
+read of a batch, in backward, at checkpoints and at close.
+
 The hand-off and the writeback thread both change the cache; ``self.lock`` serialises them.
 
 The owner keeps no reference to the user's ``EmbeddingPipe`` handle (the writeback thread holds
@@ -36,6 +40,7 @@ from .gradient import TableGradient
 from .lookahead import Ahead, Stream
 from .optim import RowOptimizer
 from .policy import LRU, Lookahead
+from .shards import CLOSE, COMMIT, LOAD, Shards
 from .shm import SharedBlock
 from .table import Table
 from .worker import LookedUp
@@ -54,8 +59,10 @@ class Owner:
         *,
         owns_table: bool,
         parameter: torch.nn.Parameter | None = None,
+        shards: Shards | None = None,
     ) -> None:
         self.table = table
+        self.shards = shards
         self.optimizer = optimizer
         self.consistency = options["consistency"]
         self.max_staleness = options["max_staleness"] or 0
@@ -82,7 +89,17 @@ class Owner:
             else None
         )
         self.counts = dict.fromkeys(
-            ("batches", "hits", "misses", "deferred", "filled_ahead", "refreshed", "ring_overruns"),
+            (
+                "batches",
+                "hits",
+                "misses",
+                "deferred",
+                "filled_ahead",
+                "refreshed",
+                "ring_overruns",
+                "remote_rows",
+                "served_rows",
+            ),
             0,
         )
         self._step_in_progress: int | None = None  # for the messages of failed table writes
@@ -142,9 +159,13 @@ class Owner:
                     self.counts["refreshed"] += len(stale)
             if self.looks_ahead:
                 self.cache.policy.training = self.trains_now
-            self.cache.admit(ids, rows)
+            mine, my_rows = ids, rows
+            if self.shards is not None:  # the other rows come from their owners at the read
+                owned = self.shards.owns(ids)
+                mine, my_rows = ids[owned], rows[owned]
+            self.cache.admit(mine, my_rows)
             if self.trains_now:
-                self.cache.stage(ids, rows)  # its step need not read them again
+                self.cache.stage(mine, my_rows)  # its step need not read them again
                 if self.looks_ahead:
                     self.cache.policy.hold(ids)
             tick = self.cache.clock
@@ -182,6 +203,8 @@ class Owner:
         if self.writeback is None:
             return
         behind = 0 if self.consistency == "exact" else self.max_staleness
+        if self.shards is not None:
+            self._fetch_remote(batch, behind)
         if batch.step >= self.writeback.submitted - behind and batch.generation == self.generation:
             return
         self.check_open()
@@ -200,6 +223,33 @@ class Owner:
             tick,
             self.generation,
         )
+
+    def _fetch_remote(self, batch: EmbeddedBatch, behind: int) -> None:
+        """A sharded pipe: the rows of the batch that other ranks own, from them, unless fetched
+        since the steps the consistency mode allows it to miss. Every rank reads its batch at
+        the same point of the loop, so every rank takes part (NOTE in ``shards.py``)."""
+        submitted = self.writeback.submitted
+        fetched, generation = batch.fetched
+        if fetched >= submitted - behind and generation == self.generation:
+            return
+        self.check_open()
+        ids = batch._unique_ids.numpy()
+        remote = np.flatnonzero(~self.shards.owns(ids))
+        rows = self.shards.rows(
+            submitted, self.generation, ids[remote], self._serve, self.table.dim, self.table.dtype
+        )
+        self.counts["remote_rows"] += len(remote)
+        batch._fetched(torch.from_numpy(remote), torch.from_numpy(rows), submitted, self.generation)
+
+    def _serve(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of this rank's shard for the other ranks: with the steps submitted so far (as
+        the consistency mode requires), recorded by the cache's policy as uses."""
+        self._wait_for_steps()
+        with self.lock:
+            rows = self.cache.current(ids)
+            self.cache.admit(ids, rows)
+        self.counts["served_rows"] += len(ids)
+        return rows
 
     def start_stream(
         self, dataset: Any, ids_key: str, order: Ahead, source: Any, defer: SharedBlock | None
@@ -237,6 +287,10 @@ class Owner:
             keep = unique_ids != self.padding_idx
             if not bool(keep.all()):
                 unique_ids, grad = unique_ids[keep], grad[keep.to(grad.device)]
+        if self.shards is not None:  # every rank's, averaged as DDP does (``shards.py``)
+            unique_ids, grad = self.shards.gradient(
+                self.writeback.submitted, self.generation, unique_ids, grad
+            )
         self.gradient.add(unique_ids, grad)
 
     def check_step(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
@@ -262,7 +316,11 @@ class Owner:
         """Queue one optimizer step of the rows ``ids`` (the pending gradient, taken by an
         optimizer step or ``pipe.step()``, checked by :meth:`check_step`)."""
         grad = grad.detach().to("cpu", getattr(torch, self.table.dtype.name))
-        self.writeback.submit(ids.numpy(), grad, lr)
+        ids = ids.numpy()
+        if self.shards is not None:  # every rank took the same step: apply this rank's rows
+            owned = self.shards.owns(ids)
+            ids, grad = ids[owned], grad[torch.from_numpy(owned)]
+        self.writeback.submit(ids, grad, lr)
 
     # ------------------------------------------------------------------------- writeback thread
     def apply(self, ids: np.ndarray, grad: torch.Tensor, step: int, lr: float | None) -> None:
@@ -324,9 +382,33 @@ class Owner:
         """Apply every queued step, write every updated row and its state, and commit them with
         the step as a checkpoint (NOTE [ Checkpoint commit ] in ``checkpoints.py``)."""
         self.check_open()
+        if self.shards is not None:
+            self.shards.begin(COMMIT, self.writeback.submitted, self.generation)
+            return self._commit_shards()
         if self.writeback is not None:
             self.writeback.wait()
         return self._commit()
+
+    def _commit_shards(self) -> Checkpoint:
+        """Every shard's rows written, then one commit by rank 0 (NOTE in ``shards.py``)."""
+        error: BaseException | None = None
+        try:
+            self.writeback.wait()
+            self.cache._check()
+            with self.lock:
+                self.cache.flush()
+        except BaseException as e:
+            error = e
+        self.shards.agree(error, "writing its rows for a checkpoint")
+        checkpoint = None
+        if self.shards.leader:
+            try:
+                checkpoint = self._commit()
+            except BaseException as e:
+                error = e
+        checkpoint = self.shards.agree(error, "committing the checkpoint", checkpoint)
+        self.table._meta["step"] = checkpoint.step
+        return checkpoint
 
     def _commit(self) -> Checkpoint:
         self.cache._check()
@@ -352,12 +434,18 @@ class Owner:
     def save(self, folder: str) -> Checkpoint:
         """Commit a checkpoint, then copy it into ``folder`` as a table of its own."""
         checkpoint = self.checkpoint()
-        try:
-            checkpoints.snapshot(checkpoint.path, folder)
-        except OSError as e:
-            raise TableWriteError(
-                e.errno, f"saving a snapshot of {self.table.path} into {folder} failed: {e}"
-            ) from e
+        error: BaseException | None = None
+        if self.shards is None or self.shards.leader:
+            try:
+                checkpoints.snapshot(checkpoint.path, folder)
+            except OSError as e:
+                error = TableWriteError(
+                    e.errno, f"saving a snapshot of {self.table.path} into {folder} failed: {e}"
+                )
+        if self.shards is not None:  # rank 0 copies the one checkpoint of every shard
+            self.shards.agree(error, f"saving a snapshot into {folder}")
+        elif error is not None:
+            raise error
         return checkpoint
 
     def load(self, source: Table) -> None:
@@ -365,6 +453,8 @@ class Owner:
         queued steps are applied first, then the cache is emptied without writing it back,
         pending gradients are dropped, and the snapshot is committed as the newest checkpoint."""
         self.check_open()
+        if self.shards is not None:
+            self.shards.begin(LOAD, self.writeback.submitted, self.generation)
         self.cache._check()
         if self.writeback is not None:
             self.writeback.wait()
@@ -372,7 +462,19 @@ class Owner:
             self.gradient.clear()
         with self.lock, self.cache._guard(f"loading the snapshot {source.path}"):
             self.cache.reset()
-            self.table._restore(source.root, self.optimizer)
+            if self.shards is None:
+                self.table._restore(source.root, self.optimizer)
+            else:  # rank 0 restores every shard's files; the others open them again
+                error: BaseException | None = None
+                if self.shards.leader:
+                    try:
+                        self.table._restore(source.root, self.optimizer)
+                    except BaseException as e:
+                        error = e
+                self.shards.agree(error, f"loading the snapshot {source.path}")
+                if not self.shards.leader:
+                    self.table._meta = Table._shard_writer(self.table.path)._meta
+                    self.table._open_root(self.table.path)
             if self.writeback is not None:
                 self.writeback.restart_at(source.step)
             self.shared.publish(self.cache.clock)
@@ -408,6 +510,9 @@ class Owner:
             except (WritebackError, TableWriteError) as e:
                 error = error or e
         hung = self.writeback is not None and self.writeback.alive  # a write hangs: leave it
+        if self.shards is not None:
+            self._close_shards(error, hung, raise_errors)
+            return
         if self.cache.broken is None and not hung:
             changed = self.table._modified or self.cache.dirty.any()
             if changed or self.applied_step != self.table.step:
@@ -419,6 +524,28 @@ class Owner:
             self.table._abandon()  # never commit, nor roll back, under a thread still writing
         elif self.owns_table:
             self.table.close()
+        self.closed = True
+        if error is not None and raise_errors:
+            raise error
+
+    def _close_shards(self, error: BaseException | None, hung: bool, raise_errors: bool) -> None:
+        """close() of a sharded pipe: one last checkpoint of every shard together, or none (a
+        rank failed or died: the table reopens at the last checkpoint they all reached)."""
+        committed = False
+        try:
+            self.shards.begin(CLOSE, self.writeback.submitted, self.generation)
+            if hung:
+                raise WritebackError("a table write hangs on this rank; nothing is committed")
+            self._commit_shards()
+            committed = True
+        except BaseException as e:
+            error = error or e
+        self.table._release_claim()
+        if self.shards.leader and not committed:
+            self.table._abandon()  # the live files may hold a part of a step: never commit them
+        elif self.owns_table:
+            self.table.close()
+        self.shards.close()
         self.closed = True
         if error is not None and raise_errors:
             raise error

@@ -32,10 +32,12 @@ from torch.utils.data import Dataset
 from . import budget
 from .checkpoints import Checkpoint
 from .errors import DistributedNotSupportedError, InvalidRowsError, TableExistsError
-from .hf import offloaded_embeddings
+from .hf import ignore_in_ddp, offloaded_embeddings
 from .optim import RowOptimizer
 from .owner import Owner
 from .policy import DEFAULT_WINDOW, make_policy
+from .shards import DEFAULT_TIMEOUT, Shards
+from .shards import process_group as group_of
 from .table import Table
 
 CONSISTENCY = ("exact", "bounded")
@@ -73,6 +75,13 @@ class EmbeddingPipe:
         Raise :class:`~embedpipe.errors.NonFiniteGradientError` on a NaN/inf gradient (default).
     keep:
         Checkpoints the table keeps (default: the table's setting, 3 for a new table).
+    process_group, timeout:
+        A pipe that trains its table inside an initialised ``torch.distributed`` process group
+        of more than one rank (``torchrun``), or given ``process_group``, is sharded over its
+        ranks: each rank owns a range of rows (its cache, optimizer state and writeback; then
+        ``cache_rows`` is per rank) and the ranks exchange rows and gradients (``shards.py``,
+        ``docs/scale-out.md``). Every rank must make the pipe. ``timeout``: seconds a rank waits
+        for the others before it raises :class:`~embedpipe.errors.PeerLostError`.
     """
 
     def __init__(
@@ -89,28 +98,42 @@ class EmbeddingPipe:
         keep: int | None = None,
         lookahead: int = DEFAULT_WINDOW,
         grad_accumulation: Any = None,
+        process_group: Any = None,
+        timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         _check_options(cache_rows, consistency, max_staleness, grad_accumulation, keep, lookahead)
+        shards = None
         if optimizer is not None:
-            _check_one_process()
-        owns_table = not isinstance(table, Table)
-        if owns_table:
-            table = Table.open(table, "r+" if optimizer is not None else "r")
-        elif optimizer is not None and table.mode != "r+":
-            raise ValueError(
-                f"the pipe updates {table.path}: open it with Table.open(path, mode='r+')"
-            )
+            group = group_of(process_group)
+            if group is None:
+                _check_one_process()
+            else:
+                shards = Shards(group, timeout)
+                lookahead = 0  # a rank's loader reads ahead only its own rows: not yet
+        if shards is not None:
+            table, owns_table = _open_shard(table, shards, optimizer, keep)
+        else:
+            owns_table = not isinstance(table, Table)
+            if owns_table:
+                table = Table.open(table, "r+" if optimizer is not None else "r")
+            elif optimizer is not None and table.mode != "r+":
+                raise ValueError(
+                    f"the pipe updates {table.path}: open it with Table.open(path, mode='r+')"
+                )
         try:
             if padding_idx == "table":
                 padding_idx = table.metadata.get("padding_idx")
             if padding_idx is not None and not 0 <= padding_idx < table.num_rows:
                 raise ValueError(f"padding_idx must be in [0, {table.num_rows}), got {padding_idx}")
-            if optimizer is not None:
+            if optimizer is not None and shards is None:
                 table._claim(_describe_creator())
             try:
-                if optimizer is not None:
+                if optimizer is not None and shards is None:
                     _prepare_table(table, optimizer, keep)
                 cache_rows = min(int(cache_rows), table.num_rows)
+                if shards is not None:
+                    lo, hi = shards.owned
+                    cache_rows = min(cache_rows, hi - lo)
                 states = len(optimizer.state_init()) if optimizer is not None else 0
                 needed = budget.pipe_memory(
                     table.num_rows,
@@ -135,6 +158,7 @@ class EmbeddingPipe:
                     options,
                     owns_table=owns_table,
                     parameter=next((p.rows for p in placeholders if p.rows is not None), None),
+                    shards=shards,
                 )
             except BaseException:
                 table._release_claim()
@@ -147,7 +171,7 @@ class EmbeddingPipe:
         self.optimizer = optimizer
         self.consistency = consistency
         self.padding_idx = padding_idx
-        if optimizer is not None:
+        if optimizer is not None and shards is None:
             table._reads_after(self._owner.flush)  # table.read() sees the pipe's rows
             for placeholder in placeholders:
                 placeholder.attach(self.parameter)
@@ -225,6 +249,7 @@ class EmbeddingPipe:
                 )
             embeddings = found[0]
         embeddings.attach(self.parameter)
+        ignore_in_ddp(model, embeddings)
 
     def step(self) -> bool:
         """Apply the pending gradient as one table step, at the row optimizer's learning rate.
@@ -370,27 +395,80 @@ def _describe_creator() -> str:
 
 
 def _check_one_process() -> None:
-    """A pipe trains its table from one process until the scale-out issue lands (see README)."""
+    """A training pipe outside a process group: refused where torchrun started several ranks
+    and none made a process group (each would train a copy of the table of its own)."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    rank = os.environ.get("RANK", "?")
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        world, rank = torch.distributed.get_world_size(), str(torch.distributed.get_rank())
     if world > 1:
+        rank = os.environ.get("RANK", "?")
         raise DistributedNotSupportedError(
-            f"this process is rank {rank} of {world} (torchrun, DDP or an initialised process "
-            "group), and an EmbeddingPipe that trains its table runs in one process only for "
-            "now: every rank would update its own copy (or wait on the table's lock). Train with "
-            "one process (python train.py), or open the table frozen (optimizer=None), which any "
-            "number of processes can read"
+            f"this process is rank {rank} of {world} (WORLD_SIZE={world}: torchrun) and no "
+            "torch.distributed process group is initialised, so each rank would train a copy "
+            "of the table of its own. Call torch.distributed.init_process_group() before making "
+            "the EmbeddingPipe (it is then sharded over the ranks), or run one process"
         )
 
 
-def _prepare_table(table: Table, optimizer: RowOptimizer, keep: int | None) -> None:
-    """The optimizer's state arrays, its configuration and ``keep`` in the table's metadata."""
+def _open_shard(
+    table: Table | str | os.PathLike[str],
+    shards: Shards,
+    optimizer: RowOptimizer,
+    keep: int | None,
+) -> tuple[Table, bool]:
+    """This rank's handle on a sharded table: rank 0 opens it to write (the writer lock, the
+    checkpoints) and prepares it, then the others open handles that write their shards."""
+    owns_table = not isinstance(table, Table)
+    opened: Table | None = None if owns_table else table
+    error: BaseException | None = None
+    if shards.leader:
+        try:
+            if opened is None:
+                opened = Table.open(table, "r+")
+            if opened.mode != "r+":
+                raise ValueError(
+                    f"the pipe updates {opened.path}: open it with Table.open(path, mode='r+') "
+                    "on rank 0 (or pass the path, on every rank)"
+                )
+            opened._claim(f"{_describe_creator()}, rank 0 of a sharded pipe")
+            shards.plan(opened.num_rows, opened.chunk_rows)
+            _prepare_table(opened, optimizer, keep, shards.layout())
+        except BaseException as e:
+            error = e
+    try:
+        path = shards.agree(error, "opening the table", opened.path if shards.leader else None)
+        if not shards.leader:
+            if opened is not None:
+                opened.close()  # a handle of its own: rank 0 holds the lock
+            opened, owns_table = Table._shard_writer(path), True
+            opened._owner = f"{_describe_creator()}, {shards.describe()}"
+        shards.plan(opened.num_rows, opened.chunk_rows)
+        facts = (opened.path, opened.num_rows, opened.dim, opened.dtype.name, optimizer.config())
+        mine = facts if shards.leader else None
+        expected = shards.agree(None, "checking the pipes agree", mine)
+        if facts != expected:
+            error = ValueError(
+                f"{shards.describe()} made its pipe on {facts}, rank 0 on {expected} "
+                "(path, rows, dim, dtype, optimizer): make the same pipe on every rank"
+            )
+        shards.agree(error, "checking the pipes agree")
+    except BaseException:
+        if opened is not None:
+            opened._release_claim()
+            if owns_table or not shards.leader:
+                opened.close()
+        shards.close()
+        raise
+    return opened, owns_table
+
+
+def _prepare_table(
+    table: Table, optimizer: RowOptimizer, keep: int | None, shards: dict | None = None
+) -> None:
+    """The optimizer's state arrays, its configuration, ``keep`` and how the table is sharded
+    (None: by one process) in the table's metadata."""
     for name, fill in optimizer.state_init().items():
         if name not in table.state_names:
             table._add_state(name, fill)
-    values: dict[str, Any] = {"optimizer": optimizer.config()}
+    values: dict[str, Any] = {"optimizer": optimizer.config(), "shards": shards}
     if keep is not None:
         values["keep"] = keep
     if any(table.metadata.get(k) != v for k, v in values.items()):

@@ -164,7 +164,9 @@ class Table:
         """Open the zarr group at ``root`` (the table, or one of its checkpoints) for reading."""
         self.root = root
         try:
-            self._group = zarr.open_group(root, mode="r+" if self._lock is not None else "r")
+            self._group = zarr.open_group(
+                root, mode="r+" if root == self.path and self.mode == "r+" else "r"
+            )
             meta = dict(self._group.attrs.get("embedpipe", {}))
         except (FileNotFoundError, ValueError, TypeError, KeyError) as e:
             raise TableFormatError(f"{root} is not an embedpipe table: {e}") from None
@@ -291,6 +293,16 @@ class Table:
         if root != path:
             table._pin = checkpoints.Pin(root)
         table._open_root(root)
+        return table
+
+    @classmethod
+    def _shard_writer(cls, path: str) -> Table:
+        """A handle that writes the live arrays of a table whose writer lock rank 0 of a sharded
+        pipe holds (``shards.py``): it writes the chunks of its own shard and never commits."""
+        table = cls.__new__(cls)
+        table.path, table.mode = path, "r+"
+        table._lock, table._owner, table._modified, table._pin = None, None, False, None
+        table._open_root(path)
         return table
 
     @contextmanager

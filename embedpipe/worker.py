@@ -124,8 +124,10 @@ class Lookup:
         ring: BatchRing | None,
         source: Source,
         defer: SharedBlock | None = None,
+        owned: tuple[int, int] | None = None,
     ) -> None:
         self.collate = collate
+        self.owned = owned  # a sharded pipe: the rows [lo, hi) this rank reads; others come later
         self.defer = defer  # defer["misses"][0] == 1: leave misses to the owner
         self.ids_key = ids_key
         self.table_path = table.path
@@ -135,16 +137,21 @@ class Lookup:
         self.ring = ring
         self._table: Table | None = table
         self._pid = os.getpid()
+        # A forked worker reads through a handle opened here, in the parent: opening a zarr
+        # group in a child forked from a process with threads at work (a process group's, the
+        # writeback's) hung in zarr's I/O thread under torchrun. The handle reads raw chunk
+        # files with pread, which processes sharing a file descriptor may do.
+        self._inherited: Table | None = Table._reader(table.path, table.root)
         self.key = uuid.uuid4().hex  # names the source to the batches, in this process only
         self._source = source  # kept alive with the loader (the registry is weak)
         register_source(self.key, source)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_table": None, "_source": None}
+        return {**self.__dict__, "_table": None, "_inherited": None, "_source": None}
 
     def table(self) -> Table:
         if self._table is None or self._pid != os.getpid():  # a new process: its own handle
-            self._table = Table._reader(self.table_path, self.table_root)
+            self._table = self._inherited or Table._reader(self.table_path, self.table_root)
             self._pid = os.getpid()
         return self._table
 
@@ -165,6 +172,10 @@ class Lookup:
         lookup_step = self.cache.applied_step  # before any row is read (invariant 4)
         rows, hit = self.cache.read(unique_ids)
         miss = np.flatnonzero(~hit)
+        if self.owned is not None:  # the owners of the other rows send them (``shards.py``)
+            lo, hi = self.owned
+            missed = unique_ids[miss]
+            miss = miss[(missed >= lo) & (missed < hi)]
         if len(miss) and not defer:
             rows[miss] = self.table()._array(WEIGHT).read(unique_ids[miss])  # the files as they are
         info = get_worker_info()
@@ -179,7 +190,7 @@ class Lookup:
             tag=placed[1] if placed else 0,
             rows=None if placed else rows,
             lookup_step=lookup_step,
-            hits=len(unique_ids) - len(miss),
+            hits=int(hit.sum()),
             misses=len(miss),
             deferred=miss if defer else None,
         )

@@ -176,30 +176,6 @@ def test_a_pipe_in_a_process_group_of_two_raises_naming_what_works(tmp_path, mon
     embedpipe.Table.open(tmp_path / "t.zarr", "r+").close()  # nothing left locked
 
 
-def _rank(rank: int, path: str, init: str, results: str) -> None:
-    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    try:
-        embedpipe.EmbeddingPipe(path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=1))
-        outcome = "no error"
-    except embedpipe.errors.DistributedNotSupportedError as e:
-        outcome = str(e)
-    finally:
-        torch.distributed.destroy_process_group()
-    with open(os.path.join(results, f"rank{rank}"), "w") as f:
-        f.write(outcome)
-
-
-def test_every_rank_of_a_real_process_group_gets_the_error(tmp_path):
-    embedpipe.Table.create(tmp_path / "t.zarr", 50, 4).close()
-    init = f"file://{tmp_path / 'rendezvous'}"
-    torch.multiprocessing.spawn(
-        _rank, args=(str(tmp_path / "t.zarr"), init, str(tmp_path)), nprocs=2, join=True
-    )
-    for rank in (0, 1):
-        text = (tmp_path / f"rank{rank}").read_text()
-        assert f"rank {rank} of 2" in text and "one process" in text
-
-
 def test_padding_comes_from_the_offloaded_model_by_default(tmp_path, data):
     model = bert()
     with offloaded(model, tmp_path / "t.zarr") as pipe:

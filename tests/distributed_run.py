@@ -1,0 +1,262 @@
+"""The training runs of ``test_distributed.py``, one process per rank (``torchrun`` starts them).
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed_run.py MODE FOLDER ...
+
+Every run trains the tiny BERT of ``helpers.py`` with DDP on its dense weights, on the batches a
+``DistributedSampler`` deals each rank, and writes what the test compares into ``FOLDER`` (rank 0).
+
+- ``parity OPTIMIZER WORKERS CLIP``: DDP over the whole model with ``nn.Embedding`` and the
+  matching torch optimizer (the reference), then the same with the embeddings offloaded to a
+  table sharded over the ranks; saves both tables and both models' dense weights.
+- ``resume PHASE``: ``first`` trains straight through (the reference), then trains a second
+  table to a checkpoint, takes two more steps and dies without closing; ``second`` reopens that
+  table and finishes the epoch from the checkpoint.
+- ``lose HOW``: rank 1 dies (``kill``) or hangs (``hang``) at step 3; rank 0 records the error it
+  gets and how long it took.
+- ``mismatch``: rank 1 reads one batch more than rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import embedpipe
+from tests.helpers import REFERENCE_OPTIMIZERS, tiny_model, zipf_dataset
+
+BATCH = 4  # per rank
+STEPS = 8
+LR = {"sgd": 0.5, "adagrad": 0.3}
+DENSE_LR = 0.05
+PIPE_OPTIMIZERS = {"sgd": embedpipe.optim.SGD, "adagrad": embedpipe.optim.Adagrad}
+
+
+def data(steps: int = STEPS) -> list[dict]:
+    return zipf_dataset(BATCH * dist.get_world_size() * steps, seed=1)
+
+
+def sampler(samples: list[dict]) -> DistributedSampler:
+    return DistributedSampler(samples, shuffle=True, seed=3, drop_last=True)
+
+
+def dense_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for n, p in model.named_parameters() if "word_embeddings" not in n]
+
+
+def train_reference(optimizer: str, clip: float) -> tuple[torch.Tensor, dict]:
+    """DDP over the whole model, nn.Embedding included: its gradient is averaged with the rest."""
+    model = tiny_model()
+    ddp = DDP(model)
+    emb = model.bert.embeddings.word_embeddings
+    emb_opt = REFERENCE_OPTIMIZERS[optimizer]([emb.weight], LR[optimizer])
+    dense = torch.optim.SGD(dense_parameters(model), lr=DENSE_LR)
+    samples = data()
+    for batch in DataLoader(samples, batch_size=BATCH, sampler=sampler(samples)):
+        out = ddp(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            labels=batch["labels"],
+        )
+        out.loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        dense.step()
+        emb_opt.step()
+        dense.zero_grad()
+        emb_opt.zero_grad()
+    return emb.weight.detach().clone(), dense_state(model)
+
+
+def offloaded_model(path: str) -> torch.nn.Module:
+    model = tiny_model()
+    embedpipe.hf.offload(model, path, chunk_rows=64).close()  # rank 0 writes, the others wait
+    return model
+
+
+def make_pipe(path: str, optimizer: str, **options) -> embedpipe.EmbeddingPipe:
+    return embedpipe.EmbeddingPipe(
+        path, cache_rows=300, optimizer=PIPE_OPTIMIZERS[optimizer](lr=LR[optimizer]), **options
+    )
+
+
+def optimizer_for(model: torch.nn.Module, pipe: embedpipe.EmbeddingPipe, optimizer: str):
+    """One torch optimizer: the dense weights, and the table in a group of its own (its lr)."""
+    return torch.optim.SGD(
+        [
+            {"params": dense_parameters(model)},
+            {"params": [pipe.parameter], "lr": LR[optimizer]},
+        ],
+        lr=DENSE_LR,
+    )
+
+
+def train_offloaded(
+    path: str, optimizer: str, workers: int, clip: float, *, steps: range | None = None
+) -> tuple[torch.nn.Module, embedpipe.EmbeddingPipe, torch.optim.Optimizer]:
+    model = offloaded_model(path)
+    ddp = DDP(model)
+    pipe = make_pipe(path, optimizer)
+    opt = optimizer_for(model, pipe, optimizer)
+    run(ddp, model, pipe, opt, workers, clip, steps or range(STEPS))
+    return model, pipe, opt
+
+
+def run(ddp, model, pipe, opt, workers: int, clip: float, steps: range, die_at: int = -1) -> None:
+    samples = data()
+    loader = pipe.loader(samples, batch_size=BATCH, sampler=sampler(samples), num_workers=workers)
+    for step, batch in enumerate(loader):
+        print("rank", dist.get_rank(), "step", step, file=sys.stderr, flush=True)
+        if step < steps.start:
+            continue  # a resumed run skips the batches trained before its checkpoint
+        if step == die_at:
+            os._exit(0)  # a crash: nothing closed, nothing flushed
+        out = ddp(
+            inputs_embeds=batch["inputs_embeds"],
+            attention_mask=batch["attention_mask"],
+            labels=batch["labels"],
+        )
+        out.loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        if step + 1 == steps.stop:
+            break
+
+
+def dense_state(model: torch.nn.Module) -> dict:
+    return {
+        n: p.detach().clone() for n, p in model.named_parameters() if "word_embeddings" not in n
+    }
+
+
+def parity(folder: str, optimizer: str, workers: str, clip: str) -> None:
+    reference, reference_dense = train_reference(optimizer, float(clip))
+    path = os.path.join(folder, "table.zarr")
+    model, pipe, _ = train_offloaded(path, optimizer, int(workers), float(clip))
+    stats = pipe.stats()
+    pipe.close()
+    if dist.get_rank() == 0:
+        table = embedpipe.Table.open(path)
+        torch.save(
+            {
+                "reference": reference,
+                "offloaded": table.to_tensor(),
+                "reference_dense": reference_dense,
+                "offloaded_dense": dense_state(model),
+                "stats": stats,
+                "shards": table.metadata.get("shards"),
+                "step": table.step,
+            },
+            os.path.join(folder, "result.pt"),
+        )
+
+
+CHECKPOINT_AT = 4
+
+
+def resume(folder: str, phase: str) -> None:
+    path = os.path.join(folder, "resumed.zarr")
+    dense_file = os.path.join(folder, "dense.pt")
+    if phase == "first":
+        straight = os.path.join(folder, "straight.zarr")
+        model, pipe, _ = train_offloaded(straight, "adagrad", 0, 1.0)
+        pipe.close()
+        model = offloaded_model(path)
+        ddp = DDP(model)
+        pipe = make_pipe(path, "adagrad")
+        opt = optimizer_for(model, pipe, "adagrad")
+        run(ddp, model, pipe, opt, 2, 1.0, range(CHECKPOINT_AT))
+        checkpoint = pipe.checkpoint()
+        if dist.get_rank() == 0:
+            torch.save({"model": model.state_dict(), "step": checkpoint.step}, dense_file)
+        dist.barrier()
+        run(ddp, model, pipe, opt, 2, 1.0, range(CHECKPOINT_AT, STEPS), die_at=CHECKPOINT_AT + 2)
+        return
+    saved = torch.load(dense_file)
+    model = tiny_model()
+    model.set_input_embeddings(
+        embedpipe.hf.OffloadedEmbedding(*model.get_input_embeddings().weight.shape, path)
+    )
+    model.load_state_dict(saved["model"], strict=False)
+    ddp = DDP(model)
+    pipe = make_pipe(path, "adagrad")
+    pipe.attach(model)
+    assert pipe.table.step == saved["step"] == CHECKPOINT_AT, (pipe.table.step, saved["step"])
+    opt = optimizer_for(model, pipe, "adagrad")
+    run(ddp, model, pipe, opt, 2, 1.0, range(CHECKPOINT_AT, STEPS))
+    pipe.close()
+
+
+def lose(folder: str, how: str) -> None:
+    path = os.path.join(folder, "table.zarr")
+    model = offloaded_model(path)
+    ddp = DDP(model)
+    pipe = make_pipe(path, "sgd", timeout=float(os.environ.get("PIPE_TIMEOUT", "300")))
+    opt = optimizer_for(model, pipe, "sgd")
+    samples = data()
+    loader = pipe.loader(samples, batch_size=BATCH, sampler=sampler(samples), num_workers=2)
+    start = time.monotonic()
+    try:
+        for step, batch in enumerate(loader):
+            if step == 2:
+                pipe.checkpoint()
+            if step == 3 and dist.get_rank() == 1:
+                if how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(3600)
+            start = time.monotonic()
+            out = ddp(
+                inputs_embeds=batch["inputs_embeds"],
+                attention_mask=batch["attention_mask"],
+                labels=batch["labels"],
+            )
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad()
+        outcome = {"error": None}
+    except Exception as e:
+        outcome = {"error": type(e).__name__, "message": str(e), "after": time.monotonic() - start}
+    try:
+        pipe.close()
+    except Exception as e:
+        outcome["close"] = type(e).__name__
+    with open(os.path.join(folder, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(outcome, f)
+    os._exit(0)  # the default group's peer is gone: do not wait for it at exit
+
+
+def mismatch(folder: str) -> None:
+    path = os.path.join(folder, "table.zarr")
+    model = offloaded_model(path)
+    pipe = make_pipe(path, "sgd")
+    samples = data()
+    loader = iter(pipe.loader(samples, batch_size=BATCH, sampler=sampler(samples)))
+    outcome: dict = {"error": None}
+    try:
+        for _ in range(1 + dist.get_rank()):  # rank 1 reads one batch more
+            model(inputs_embeds=next(loader)["inputs_embeds"]).logits.sum().backward()
+        pipe.step()
+        pipe.close()
+    except Exception as e:
+        outcome = {"error": type(e).__name__, "message": str(e)}
+    with open(os.path.join(folder, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(outcome, f)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    dist.init_process_group("gloo")
+    mode, folder, *args = sys.argv[1:]
+    {"parity": parity, "resume": resume, "lose": lose, "mismatch": mismatch}[mode](folder, *args)
+    dist.destroy_process_group()
