@@ -20,7 +20,8 @@ What it changes, and nothing else:
   the one global norm (the logged ``grad_norm`` counts it), ``gradient_accumulation_steps`` sums
   it, the scheduler scales it, and Trainer's ``optimizer.step()`` steps the table.
 - **Checkpoints.** Every ``checkpoint-N/`` holds ``embedpipe-table/``, a snapshot of the table
-  at step N (hard links, see ``Table`` checkpoints), written before Trainer's own files;
+  at step N (hard links, see ``Table`` checkpoints), written before Trainer's own files (under
+  ``torchrun``, by every rank's shard together: ``docs/scale-out.md``);
   ``train(resume_from_checkpoint=...)`` and ``load_best_model_at_end`` load it back, into any
   table of the same shape. ``save_model()`` writes a folder ``from_pretrained`` loads with the
   trained word embeddings in it.
@@ -135,7 +136,10 @@ class Trainer(transformers.Trainer):
             if os.path.exists(snapshot):  # the same step saved again
                 shutil.rmtree(snapshot)
             os.makedirs(os.path.dirname(snapshot), exist_ok=True)
-            self.pipe.save_checkpoint(snapshot)  # first: a folder without it is no checkpoint
+        if self.args.should_save or self.pipe._owner.shards is not None:
+            # first: a folder without it is no checkpoint. A table sharded over the ranks
+            # (torchrun) is saved by every rank together; rank 0 writes the folder
+            self.pipe.save_checkpoint(snapshot)
         self._checkpointing = True
         try:
             super()._save_checkpoint(model, trial)

@@ -35,12 +35,18 @@ from . import checkpoints, ordering
 from .batch import EmbeddedBatch
 from .cache import RowCache, SharedRows, Update
 from .checkpoints import Checkpoint
-from .errors import NonFiniteGradientError, TableWriteError, WritebackError
+from .errors import (
+    DistributedNotSupportedError,
+    NonFiniteGradientError,
+    TableExistsError,
+    TableWriteError,
+    WritebackError,
+)
 from .gradient import TableGradient
 from .lookahead import Ahead, Stream
 from .optim import RowOptimizer
 from .policy import LRU, Lookahead
-from .shards import CLOSE, COMMIT, LOAD, Shards
+from .shards import CLOSE, COMMIT, FLUSH, LOAD, Shards
 from .shm import SharedBlock
 from .table import Table
 from .worker import LookedUp
@@ -105,6 +111,8 @@ class Owner:
         self._step_in_progress: int | None = None  # for the messages of failed table writes
         # snapshots loaded: step numbers restart, batches claimed before are stale
         self.generation = 0
+        #: A sharded pipe: (steps submitted, generation) when every rank last wrote its rows.
+        self.written = (0, 0)
         self.closed = False
         #: The policy sees the loader's next batches (``lookahead.py``); ``stream`` feeds it.
         #: Not when the cache holds the whole table: nothing to choose then.
@@ -389,8 +397,9 @@ class Owner:
             self.writeback.wait()
         return self._commit()
 
-    def _commit_shards(self) -> Checkpoint:
-        """Every shard's rows written, then one commit by rank 0 (NOTE in ``shards.py``)."""
+    def _write_shards(self, what: str) -> None:
+        """Every shard's queued steps applied and updated rows written to the live files, on
+        every rank, or an error on every rank."""
         error: BaseException | None = None
         try:
             self.writeback.wait()
@@ -399,7 +408,13 @@ class Owner:
                 self.cache.flush()
         except BaseException as e:
             error = e
-        self.shards.agree(error, "writing its rows for a checkpoint")
+        self.shards.agree(error, what)
+        self.written = (self.writeback.submitted, self.generation)
+
+    def _commit_shards(self) -> Checkpoint:
+        """Every shard's rows written, then one commit by rank 0 (NOTE in ``shards.py``)."""
+        self._write_shards("writing its rows for a checkpoint")
+        error: BaseException | None = None
         checkpoint = None
         if self.shards.leader:
             try:
@@ -427,15 +442,41 @@ class Owner:
         self.check_open()
         if self.writeback is None:
             return
+        if self.shards is not None:  # every rank's rows: a collective
+            self.shards.begin(FLUSH, self.writeback.submitted, self.generation)
+            self._write_shards("writing its rows (flush)")
+            return
         self.writeback.wait()
         with self.lock:
             self.cache.flush()
 
+    def check_written(self) -> None:
+        """Before a public read of a sharded table (``table.read``, ``to_tensor``): the live
+        files hold every rank's rows only when no step was submitted since every rank wrote
+        its rows (``flush``, ``checkpoint``); a read in between would miss the other ranks'
+        cached rows, so it raises instead."""
+        if self.written != (self.writeback.submitted, self.generation):
+            raise DistributedNotSupportedError(
+                f"the table {self.table.path} is sharded over {self.shards.size} ranks and "
+                f"{self.shards.describe()} has stepped since the ranks last wrote their rows, "
+                "so its files lack rows the other ranks hold in their caches: call "
+                "pipe.flush() on every rank first (or read a checkpoint: "
+                "Table.open(path) after pipe.checkpoint())"
+            )
+
     def save(self, folder: str) -> Checkpoint:
-        """Commit a checkpoint, then copy it into ``folder`` as a table of its own."""
-        checkpoint = self.checkpoint()
+        """Commit a checkpoint, then copy it into ``folder`` (which must not exist) as a table
+        of its own. Sharded: every rank commits its shard, rank 0 copies the checkpoint."""
+        copies = self.shards is None or self.shards.leader
         error: BaseException | None = None
-        if self.shards is None or self.shards.leader:
+        if copies and os.path.exists(folder):
+            error = TableExistsError(
+                f"{folder} already exists; save the checkpoint into a new folder"
+            )
+            if self.shards is None:
+                raise error  # before anything is written
+        checkpoint = self.checkpoint()  # sharded: every rank, before any rank may raise
+        if copies and error is None:
             try:
                 checkpoints.snapshot(checkpoint.path, folder)
             except OSError as e:

@@ -31,7 +31,7 @@ from torch.utils.data import Dataset
 
 from . import budget
 from .checkpoints import Checkpoint
-from .errors import DistributedNotSupportedError, InvalidRowsError, TableExistsError
+from .errors import DistributedNotSupportedError, InvalidRowsError
 from .hf import ignore_in_ddp, offloaded_embeddings
 from .optim import RowOptimizer
 from .owner import Owner
@@ -171,8 +171,8 @@ class EmbeddingPipe:
         self.optimizer = optimizer
         self.consistency = consistency
         self.padding_idx = padding_idx
-        if optimizer is not None and shards is None:
-            table._reads_after(self._owner.flush)  # table.read() sees the pipe's rows
+        if optimizer is not None:  # table.read() sees the pipe's rows (sharded: or raises)
+            table._reads_after(self._owner.flush if shards is None else self._owner.check_written)
             for placeholder in placeholders:
                 placeholder.attach(self.parameter)
         self._finalizer = weakref.finalize(self, _close_unclosed, self._owner, repr(self))
@@ -289,12 +289,7 @@ class EmbeddingPipe:
         Files are hard-linked where ``folder`` is on the table's filesystem (no copy: chunks in a
         checkpoint never change), copied elsewhere; ``folder`` appears complete or not at all.
         """
-        folder = os.path.abspath(os.path.expanduser(folder))
-        if os.path.exists(folder):
-            raise TableExistsError(
-                f"{folder} already exists; save the checkpoint into a new folder"
-            )
-        return self._owner.save(folder)
+        return self._owner.save(os.path.abspath(os.path.expanduser(folder)))
 
     def load_checkpoint(self, folder: str | os.PathLike[str]) -> None:
         """Make this pipe's table the snapshot in ``folder`` (made by :meth:`save_checkpoint`, or

@@ -50,13 +50,14 @@ import torch.distributed as dist
 from .errors import PeerLostError, ShardMismatchError
 
 #: What a rank does in an exchange (the header's first value); every rank must do the same.
-ROWS, GRADIENT, COMMIT, LOAD, CLOSE = 1, 2, 3, 4, 5
+ROWS, GRADIENT, COMMIT, LOAD, CLOSE, FLUSH = 1, 2, 3, 4, 5, 6
 _DOING = {
     ROWS: "reading a batch's rows",
     GRADIENT: "adding a backward pass's gradient",
     COMMIT: "taking a checkpoint",
     LOAD: "loading a snapshot",
     CLOSE: "closing the pipe",
+    FLUSH: "flushing the pipe",
 }
 #: Seconds a rank waits for the others at an exchange before it raises.
 DEFAULT_TIMEOUT = 300.0

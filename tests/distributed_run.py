@@ -14,6 +14,10 @@ Every run trains the tiny BERT of ``helpers.py`` with DDP on its dense weights, 
 - ``lose HOW``: rank 1 dies (``kill``) or hangs (``hang``) at step 3; rank 0 records the error it
   gets and how long it took.
 - ``mismatch``: rank 1 reads one batch more than rank 0.
+- ``trainer ACCUMULATION``: ``transformers.Trainer`` with ``nn.Embedding`` (the reference, the
+  settings of ``test_hf_trainer.py``), then ``embedpipe.hf.Trainer`` with checkpoints, then a
+  run resumed from its first checkpoint into a fresh table, then ``save_model``; saves tables,
+  dense weights and logged grad norms.
 """
 
 from __future__ import annotations
@@ -145,6 +149,13 @@ def parity(folder: str, optimizer: str, workers: str, clip: str) -> None:
     path = os.path.join(folder, "table.zarr")
     model, pipe, _ = train_offloaded(path, optimizer, int(workers), float(clip))
     stats = pipe.stats()
+    try:
+        pipe.table.to_tensor()  # the other rank's cached rows are not in the files yet
+        unflushed = "no error"
+    except embedpipe.errors.DistributedNotSupportedError as e:
+        unflushed = str(e)
+    pipe.flush()  # on every rank
+    flushed = pipe.table.to_tensor()
     pipe.close()
     if dist.get_rank() == 0:
         table = embedpipe.Table.open(path)
@@ -155,6 +166,8 @@ def parity(folder: str, optimizer: str, workers: str, clip: str) -> None:
                 "reference_dense": reference_dense,
                 "offloaded_dense": dense_state(model),
                 "stats": stats,
+                "unflushed": unflushed,
+                "flushed": flushed,
                 "shards": table.metadata.get("shards"),
                 "step": table.step,
             },
@@ -254,9 +267,58 @@ def mismatch(folder: str) -> None:
         json.dump(outcome, f)
 
 
+def trainer(folder: str, accumulation: str) -> None:
+    from tests.frameworks import VOCAB, bert, offloaded, samples
+    from tests.test_hf_trainer import ReferenceTrainer, arguments, grad_norms
+
+    data = samples(32)  # 4 batches of 4 a rank an epoch
+    every = 4 // int(accumulation)  # a checkpoint half-way: 8 batches a rank, 2 epochs
+    options = dict(
+        gradient_accumulation_steps=int(accumulation), ddp_backend="gloo", save_steps=every
+    )
+    reference = ReferenceTrainer(
+        model=bert(),
+        args=arguments(os.path.join(folder, "reference"), **options),
+        train_dataset=data,
+    )
+    reference.train()
+
+    def train(name: str, resume: str | None = None):
+        model = bert()
+        pipe = offloaded(model, os.path.join(folder, f"{name}.zarr"), cache_rows=VOCAB // 20)
+        args = arguments(os.path.join(folder, name), save_strategy="steps", **options)
+        run = embedpipe.hf.Trainer(model=model, args=args, train_dataset=data, pipe=pipe)
+        run.train(resume_from_checkpoint=resume)
+        return run, pipe
+
+    straight, pipe = train("embedpipe")
+    steps = straight.state.global_step
+    first = os.path.join(folder, "embedpipe", f"checkpoint-{every}")
+    resumed, resumed_pipe = train("resumed", resume=first)
+    straight.save_model(os.path.join(folder, "saved"))  # every rank, as Trainer's examples do
+    pipe.flush()
+    resumed_pipe.flush()
+    result = {
+        "steps": (reference.state.global_step, steps, resumed.state.global_step),
+        "reference": reference.model.get_input_embeddings().weight.detach().clone(),
+        "offloaded": pipe.table.to_tensor(),
+        "resumed": resumed_pipe.table.to_tensor(),
+        "reference_dense": dense_state(reference.model),
+        "offloaded_dense": dense_state(straight.model),
+        "resumed_dense": dense_state(resumed.model),
+        "grad_norms": (grad_norms(reference), grad_norms(straight)),
+    }
+    pipe.close()
+    resumed_pipe.close()
+    if dist.get_rank() == 0:
+        torch.save(result, os.path.join(folder, "result.pt"))
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
     dist.init_process_group("gloo")
     mode, folder, *args = sys.argv[1:]
-    {"parity": parity, "resume": resume, "lose": lose, "mismatch": mismatch}[mode](folder, *args)
+    modes = {"parity": parity, "resume": resume, "lose": lose, "mismatch": mismatch}
+    modes["trainer"] = trainer
+    modes[mode](folder, *args)
     dist.destroy_process_group()
