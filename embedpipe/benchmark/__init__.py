@@ -5,7 +5,8 @@ The driver is a loop over sections, each a module of this package (see ``options
 section provides): ``rows`` (rows read per cache policy against Belady's optimum), ``throughput``
 (the model-free loader loop against ``nn.Embedding`` in RAM), ``model`` (a small BERT's training
 step), ``memory`` (bytes of each cache, from the shapes) and ``cold`` (a table larger than the
-memory allowed, and the whole pipeline's peak memory). Each section runs in turn in one temporary
+memory allowed, and the whole pipeline's peak memory), and, only with ``--distributed`` (it
+launches processes), ``distributed`` (the row-sharded pipe on 1, 2 and 4 ranks). Each section runs in turn in one temporary
 folder (under ``--dir``), deleted at the end; then the markdown goes to stdout, the Targets table
 (issue 9's targets: measured, goal, met) first. Progress bars go to stderr. The main process uses
 one torch thread, as DataLoader workers do: the workers and the main process share the cores.
@@ -14,6 +15,7 @@ Run it (``--quick`` is a smoke run of every section; ``--help`` lists each secti
 
     python scripts/bench.py --quick
     python scripts/bench.py --json results.json --skip model cold
+    python scripts/bench.py --distributed --skip rows throughput model memory cold
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 import zarr
 
 from .. import __version__
-from . import memory, model, rows, throughput
+from . import distributed, memory, model, rows, throughput
 from .options import apply_quick, integer
 from .report import target, targets_table
 
@@ -55,7 +57,14 @@ def _cold() -> ModuleType | None:
 
 
 COLD = _cold()
-SECTIONS: list[ModuleType] = [rows, throughput, model, memory, *([COLD] if COLD else [])]
+SECTIONS: list[ModuleType] = [
+    rows,
+    throughput,
+    model,
+    memory,
+    *([COLD] if COLD else []),
+    distributed,
+]
 NAMES = [s.NAME for s in SECTIONS] + ([] if COLD else ["cold"])
 #: The cold section's targets, shown as not measured when it does not run.
 COLD_TARGETS = [
@@ -88,6 +97,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--skip", nargs="+", default=[], choices=NAMES, metavar="SECTION", help=f"of {NAMES}"
     )
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="also run the 'distributed' section (launches 1, 2 and 4 ranks with torchrun); the "
+        "other sections still run unless --skip names them",
+    )
     p.add_argument("--dir", help="make the temporary folder here (none: the system's tmp)")
     p.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
     for section in SECTIONS:
@@ -117,6 +132,12 @@ def all_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     return out + ([] if COLD and COLD.NAME in results["sections"] else COLD_TARGETS)
 
 
+def wanted(section: ModuleType, args: argparse.Namespace) -> bool:
+    """Not skipped, and asked for if the section runs only when asked (``OPT_IN``)."""
+    opt_in = getattr(section, "OPT_IN", None)
+    return section.NAME not in args.skip and (opt_in is None or bool(getattr(args, opt_in)))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sections ``--skip`` leaves; markdown on stdout, ``--json`` every figure."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -130,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir = tempfile.mkdtemp(prefix="embedpipe-bench-", dir=args.dir)
     try:
         for section in SECTIONS:
-            if section.NAME not in args.skip:
+            if wanted(section, args):
                 begun = time.perf_counter()
                 results["sections"][section.NAME] = section.run(args, workdir)
                 results["section_seconds"][section.NAME] = time.perf_counter() - begun

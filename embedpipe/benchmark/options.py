@@ -3,7 +3,8 @@
 A section is a module with ``NAME``, ``add_arguments(parser)``, ``run(args, workdir) -> dict``,
 ``report(result, args) -> str`` (markdown) and ``targets(result) -> list[dict]`` (its rows of the
 Targets table, see :func:`embedpipe.benchmark.report.target`), and optionally ``QUICK``: caps
-``--quick`` puts on its options (``{"batches": 150}``: at most 150). The driver is a loop over
+``--quick`` puts on its options (``{"batches": 150}``: at most 150), and ``OPT_IN``: the name of
+the option without which it does not run (``"distributed"``: only with ``--distributed``). The driver is a loop over
 sections; bad values are refused by argparse, before any section runs.
 """
 
