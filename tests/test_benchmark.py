@@ -11,6 +11,7 @@ import json
 import pytest
 
 from embedpipe import benchmark
+from embedpipe.benchmark import distributed
 
 TINY = [
     "--quick",
@@ -63,7 +64,8 @@ def run(tmp_path, capsys, *extra: str) -> tuple[dict, str]:
 def test_every_section_and_target(tmp_path, capsys, words):
     cold = COLD if "cold" in [s.NAME for s in benchmark.SECTIONS] else []
     result, text = run(tmp_path, capsys, "--text", words, *cold)
-    assert set(result["sections"]) == {s.NAME for s in benchmark.SECTIONS}
+    by_default = {s.NAME for s in benchmark.SECTIONS if not getattr(s, "OPT_IN", None)}
+    assert set(result["sections"]) == by_default and "distributed" not in by_default
     rows = result["sections"]["rows"]["traces"]
     assert [r["trace"].split()[0] for r in rows] == ["synthetic", "word-level"]
     check = rows[0]["check"]
@@ -87,3 +89,67 @@ def test_skipped_sections_are_not_measured(tmp_path, capsys):
     assert set(result["sections"]) == {"memory"}
     assert all(t["measured"] is None and t["met"] is None for t in result["targets"])
     assert "not measured" in text and "### Rows read" not in text
+
+
+#: The distributed section at its smallest: one launch of 1 rank and one of 2 (~30 s on 2 cores).
+DIST = [
+    "--distributed",
+    "--skip", "rows", "throughput", "model", "memory", "cold",
+    "--dist-ranks", "1", "2",
+    "--dist-batches", "2",
+    "--dist-warmup", "1",
+    "--dist-rounds", "2",
+    "--dist-block", "2",
+]  # fmt: skip
+
+
+def test_distributed_section(tmp_path, capsys):
+    """1 and 2 ranks under torchrun: every rank reports, the rows one rank fetches are the rows
+    the other serves, and the report has a table per rank count; nothing about speed."""
+    result, text = run(tmp_path, capsys, *DIST)
+    assert set(result["sections"]) == {"distributed"}
+    runs = result["sections"]["distributed"]["runs"]
+    assert sorted(runs) == ["1", "2"]
+    (alone,) = runs["1"]["ranks"]
+    assert alone["owned"] == [0, 600] and alone["vs_one_rank"] == 1.0
+    assert alone["pipe"]["remote_rows"] == alone["pipe"]["served_rows"] == 0
+    pair = runs["2"]["ranks"]
+    assert [r["rank"] for r in pair] == [0, 1]
+    assert pair[0]["owned"][1] == pair[1]["owned"][0] > 0  # both own rows
+    remote = sum(r["pipe"]["remote_rows"] for r in pair)
+    assert remote == sum(r["pipe"]["served_rows"] for r in pair) > 0
+    for r in pair:
+        assert r["pipe"]["sent_bytes"] > 0 and r["pipe"]["steps_per_s"] > 0
+        assert r["replicated"]["sent_bytes"] == 600 * 8 * 4  # 2 (N - 1) / N of the gradient
+    assert not [t for t in result["targets"] if "distributed" in t["target"]]
+    assert "1 rank(s):" in text and "2 rank(s):" in text and "### Scale-out" in text
+
+
+def test_distributed_summary():
+    """The medians, rates and bytes per step of two ranks' records, without launching them."""
+
+    def rank(r: int, unique: int, served: int, remote: int) -> dict:
+        # load, read, rows exchange, backward, gradient exchange, step, total; unique, union
+        pipe = [[0.01, 0.02, 0.005, 0.03, 0.01, 0.04, 0.1, unique, 50]] * 3
+        pipe = [*pipe, [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 6.0, unique, 50]]  # an outlier
+        # load, read, backward, all-reduce, step, total; unique
+        rep = [[0.01, 0.01, 0.02, 0.05, 0.03, 0.12, unique]] * 4
+        counters = {"remote_rows": 4 * remote, "served_rows": 4 * served}
+        return {"rank": r, "owned": [r * 8, r * 8 + 8], "pipe": pipe, "replicated": rep,
+                "pipe_rates": [5.0, 6.0], "rep_rates": [10.0, 10.0], "counters": counters}  # fmt: skip
+
+    raw = {"world": 2, "ranks": [rank(0, 30, 7, 5), rank(1, 40, 5, 7)]}
+    out = distributed.summarise(raw, vocab=16, dim=4)
+    assert out["world"] == 2 and out["steps"] == 4
+    p, q = out["ranks"][0]["pipe"], out["ranks"][0]["replicated"]
+    assert p["lookup_batches_per_s"] == pytest.approx(1 / 0.03)
+    assert p["lookup_rows_per_s"] == pytest.approx(30 / 0.03)
+    assert p["writeback_rows_per_s"] == pytest.approx(50 / 0.07)
+    assert p["steps_per_s"] == pytest.approx(10) and p["exchange_ms"] == pytest.approx(15)
+    gradient = 1 * 40 * (8 + 16)  # the other rank's part, padded to the larger (40 rows)
+    assert p["sent_bytes"] == pytest.approx(5 * 8 + 7 * 16 + gradient)
+    assert p["received_bytes"] == pytest.approx(7 * 8 + 5 * 16 + gradient)
+    assert q["steps_per_s"] == pytest.approx(1 / 0.12) and q["exchange_ms"] == pytest.approx(50)
+    assert q["writeback_rows_per_s"] == pytest.approx(50 / 0.1)
+    assert q["sent_bytes"] == q["received_bytes"] == 16 * 16  # 2 (N - 1) / N x V x D x 4
+    assert out["ranks"][0]["vs_replicated"][1] == pytest.approx(0.55)
