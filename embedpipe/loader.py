@@ -133,8 +133,7 @@ class PipeLoader(DataLoader):
             if ring is not None and owner.looks_ahead
             else None
         )
-        owned = owner.shards.owned if owner.shards is not None else None
-        lookup = Lookup(collate_fn, ids_key, table, shared, ring, source, self._defer, owned)
+        lookup = Lookup(collate_fn, ids_key, table, shared, ring, source, self._defer, owner.owned)
         super().__init__(
             checked,
             batch_size=batch_size,

@@ -10,9 +10,10 @@ writer). Three kinds of code call it:
   gradient (``gradient.py``), and the optimizer step that takes it: :meth:`Owner.submit`;
 - the writeback thread: :meth:`Owner.apply` per step, :meth:`Owner.clean_ahead` when idle.
 
-A pipe sharded over the ranks of a process group has one owner per rank, each the only writer of
-its rows; they meet in the collectives of ``shards.py`` (NOTE [ One table over N ranks ]), at the
-read of a batch, in backward, at checkpoints and at close.
+An owner owns a range of the table's rows, all of them in one process. A pipe sharded over the
+ranks of a process group has one owner per rank, each the only writer of its range:
+:class:`~embedpipe.shard_owner.ShardOwner`, which meets the others in the collectives of
+``shards.py``.
 
 The hand-off and the writeback thread both change the cache; ``self.lock`` serialises them.
 
@@ -35,18 +36,11 @@ from . import checkpoints, ordering
 from .batch import EmbeddedBatch
 from .cache import RowCache, SharedRows, Update
 from .checkpoints import Checkpoint
-from .errors import (
-    DistributedNotSupportedError,
-    NonFiniteGradientError,
-    TableExistsError,
-    TableWriteError,
-    WritebackError,
-)
+from .errors import NonFiniteGradientError, TableExistsError, TableWriteError, WritebackError
 from .gradient import TableGradient
 from .lookahead import Ahead, Stream
 from .optim import RowOptimizer
 from .policy import LRU, Lookahead
-from .shards import CLOSE, COMMIT, FLUSH, LOAD, Shards
 from .shm import SharedBlock
 from .table import Table
 from .worker import LookedUp
@@ -55,6 +49,9 @@ from .writeback import Writeback
 
 class Owner:
     """The owner side of a pipe; see the module docstring. Options are validated by the pipe."""
+
+    #: The ranks a sharded table is split over (``ShardOwner``); None: one process.
+    shards = None
 
     def __init__(
         self,
@@ -65,10 +62,10 @@ class Owner:
         *,
         owns_table: bool,
         parameter: torch.nn.Parameter | None = None,
-        shards: Shards | None = None,
     ) -> None:
         self.table = table
-        self.shards = shards
+        #: The rows this owner keeps, caches and steps, ``[lo, hi)``: all of them, unless sharded.
+        self.owned = (0, table.num_rows)
         self.optimizer = optimizer
         self.consistency = options["consistency"]
         self.max_staleness = options["max_staleness"] or 0
@@ -103,16 +100,12 @@ class Owner:
                 "filled_ahead",
                 "refreshed",
                 "ring_overruns",
-                "remote_rows",
-                "served_rows",
             ),
             0,
         )
         self._step_in_progress: int | None = None  # for the messages of failed table writes
         # snapshots loaded: step numbers restart, batches claimed before are stale
         self.generation = 0
-        #: A sharded pipe: (steps submitted, generation) when every rank last wrote its rows.
-        self.written = (0, 0)
         self.closed = False
         #: The policy sees the loader's next batches (``lookahead.py``); ``stream`` feeds it.
         #: Not when the cache holds the whole table: nothing to choose then.
@@ -168,8 +161,8 @@ class Owner:
             if self.looks_ahead:
                 self.cache.policy.training = self.trains_now
             mine, my_rows = ids, rows
-            if self.shards is not None:  # the other rows come from their owners at the read
-                owned = self.shards.owns(ids)
+            owned = self.owns(ids)
+            if owned is not None:  # the other rows come from their owners at the read
                 mine, my_rows = ids[owned], rows[owned]
             self.cache.admit(mine, my_rows)
             if self.trains_now:
@@ -210,10 +203,10 @@ class Owner:
         changed. Nothing to do in the common case, a batch read before the next step."""
         if self.writeback is None:
             return
-        behind = 0 if self.consistency == "exact" else self.max_staleness
-        if self.shards is not None:
-            self._fetch_remote(batch, behind)
-        if batch.step >= self.writeback.submitted - behind and batch.generation == self.generation:
+        if (
+            batch.step >= self.writeback.submitted - self.behind
+            and batch.generation == self.generation
+        ):
             return
         self.check_open()
         self._wait_for_steps()
@@ -231,33 +224,6 @@ class Owner:
             tick,
             self.generation,
         )
-
-    def _fetch_remote(self, batch: EmbeddedBatch, behind: int) -> None:
-        """A sharded pipe: the rows of the batch that other ranks own, from them, unless fetched
-        since the steps the consistency mode allows it to miss. Every rank reads its batch at
-        the same point of the loop, so every rank takes part (NOTE in ``shards.py``)."""
-        submitted = self.writeback.submitted
-        fetched, generation = batch.fetched
-        if fetched >= submitted - behind and generation == self.generation:
-            return
-        self.check_open()
-        ids = batch._unique_ids.numpy()
-        remote = np.flatnonzero(~self.shards.owns(ids))
-        rows = self.shards.rows(
-            submitted, self.generation, ids[remote], self._serve, self.table.dim, self.table.dtype
-        )
-        self.counts["remote_rows"] += len(remote)
-        batch._fetched(torch.from_numpy(remote), torch.from_numpy(rows), submitted, self.generation)
-
-    def _serve(self, ids: np.ndarray) -> np.ndarray:
-        """Rows of this rank's shard for the other ranks: with the steps submitted so far (as
-        the consistency mode requires), recorded by the cache's policy as uses."""
-        self._wait_for_steps()
-        with self.lock:
-            rows = self.cache.current(ids)
-            self.cache.admit(ids, rows)
-        self.counts["served_rows"] += len(ids)
-        return rows
 
     def start_stream(
         self, dataset: Any, ids_key: str, order: Ahead, source: Any, defer: SharedBlock | None
@@ -280,9 +246,21 @@ class Owner:
         if self.stream is stream:
             self.stream = None
 
+    @property
+    def behind(self) -> int:
+        """Steps a batch's rows may miss: 0 in exact mode, ``max_staleness`` in bounded mode."""
+        return 0 if self.consistency == "exact" else self.max_staleness
+
     def _wait_for_steps(self) -> None:
         if self.writeback is not None:
-            self.writeback.wait(0 if self.consistency == "exact" else self.max_staleness)
+            self.writeback.wait(self.behind)
+
+    def owns(self, ids: np.ndarray) -> np.ndarray | None:
+        """Which of ``ids`` this owner keeps, as a mask; None when it keeps them all."""
+        lo, hi = self.owned
+        if lo == 0 and hi == self.table.num_rows:
+            return None
+        return (ids >= lo) & (ids < hi)
 
     def on_grad(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
         """The gradient hook (inside backward): add the rows' gradient to the table's pending
@@ -295,10 +273,9 @@ class Owner:
             keep = unique_ids != self.padding_idx
             if not bool(keep.all()):
                 unique_ids, grad = unique_ids[keep], grad[keep.to(grad.device)]
-        if self.shards is not None:  # every rank's, averaged as DDP does (``shards.py``)
-            unique_ids, grad = self.shards.gradient(
-                self.writeback.submitted, self.generation, unique_ids, grad
-            )
+        self._add_gradient(unique_ids, grad)
+
+    def _add_gradient(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
         self.gradient.add(unique_ids, grad)
 
     def check_step(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
@@ -325,8 +302,8 @@ class Owner:
         optimizer step or ``pipe.step()``, checked by :meth:`check_step`)."""
         grad = grad.detach().to("cpu", getattr(torch, self.table.dtype.name))
         ids = ids.numpy()
-        if self.shards is not None:  # every rank took the same step: apply this rank's rows
-            owned = self.shards.owns(ids)
+        owned = self.owns(ids)
+        if owned is not None:  # every rank took the same step: apply this rank's rows
             ids, grad = ids[owned], grad[torch.from_numpy(owned)]
         self.writeback.submit(ids, grad, lr)
 
@@ -390,40 +367,9 @@ class Owner:
         """Apply every queued step, write every updated row and its state, and commit them with
         the step as a checkpoint (NOTE [ Checkpoint commit ] in ``checkpoints.py``)."""
         self.check_open()
-        if self.shards is not None:
-            self.shards.begin(COMMIT, self.writeback.submitted, self.generation)
-            return self._commit_shards()
         if self.writeback is not None:
             self.writeback.wait()
         return self._commit()
-
-    def _write_shards(self, what: str) -> None:
-        """Every shard's queued steps applied and updated rows written to the live files, on
-        every rank, or an error on every rank."""
-        error: BaseException | None = None
-        try:
-            self.writeback.wait()
-            self.cache._check()
-            with self.lock:
-                self.cache.flush()
-        except BaseException as e:
-            error = e
-        self.shards.agree(error, what)
-        self.written = (self.writeback.submitted, self.generation)
-
-    def _commit_shards(self) -> Checkpoint:
-        """Every shard's rows written, then one commit by rank 0 (NOTE in ``shards.py``)."""
-        self._write_shards("writing its rows for a checkpoint")
-        error: BaseException | None = None
-        checkpoint = None
-        if self.shards.leader:
-            try:
-                checkpoint = self._commit()
-            except BaseException as e:
-                error = e
-        checkpoint = self.shards.agree(error, "committing the checkpoint", checkpoint)
-        self.table._meta["step"] = checkpoint.step
-        return checkpoint
 
     def _commit(self) -> Checkpoint:
         self.cache._check()
@@ -442,60 +388,40 @@ class Owner:
         self.check_open()
         if self.writeback is None:
             return
-        if self.shards is not None:  # every rank's rows: a collective
-            self.shards.begin(FLUSH, self.writeback.submitted, self.generation)
-            self._write_shards("writing its rows (flush)")
-            return
         self.writeback.wait()
         with self.lock:
             self.cache.flush()
 
-    def check_written(self) -> None:
-        """Before a public read of a sharded table (``table.read``, ``to_tensor``): the live
-        files hold every rank's rows only when no step was submitted since every rank wrote
-        its rows (``flush``, ``checkpoint``); a read in between would miss the other ranks'
-        cached rows, so it raises instead."""
-        if self.written != (self.writeback.submitted, self.generation):
-            raise DistributedNotSupportedError(
-                f"the table {self.table.path} is sharded over {self.shards.size} ranks and "
-                f"{self.shards.describe()} has stepped since the ranks last wrote their rows, "
-                "so its files lack rows the other ranks hold in their caches: call "
-                "pipe.flush() on every rank first (or read a checkpoint: "
-                "Table.open(path) after pipe.checkpoint())"
-            )
+    def before_read(self) -> None:
+        """Before a public read of the table (``table.read``): it sees the steps so far."""
+        self.flush()
 
     def save(self, folder: str) -> Checkpoint:
         """Commit a checkpoint, then copy it into ``folder`` (which must not exist) as a table
-        of its own. Sharded: every rank commits its shard, rank 0 copies the checkpoint."""
-        copies = self.shards is None or self.shards.leader
-        error: BaseException | None = None
-        if copies and os.path.exists(folder):
-            error = TableExistsError(
-                f"{folder} already exists; save the checkpoint into a new folder"
-            )
-            if self.shards is None:
-                raise error  # before anything is written
-        checkpoint = self.checkpoint()  # sharded: every rank, before any rank may raise
-        if copies and error is None:
-            try:
-                checkpoints.snapshot(checkpoint.path, folder)
-            except OSError as e:
-                error = TableWriteError(
-                    e.errno, f"saving a snapshot of {self.table.path} into {folder} failed: {e}"
-                )
-        if self.shards is not None:  # rank 0 copies the one checkpoint of every shard
-            self.shards.agree(error, f"saving a snapshot into {folder}")
-        elif error is not None:
+        of its own."""
+        if os.path.exists(folder):
+            raise _exists(folder)  # before anything is written
+        checkpoint = self.checkpoint()
+        error = self._snapshot(checkpoint, folder)
+        if error is not None:
             raise error
         return checkpoint
+
+    def _snapshot(self, checkpoint: Checkpoint, folder: str) -> TableWriteError | None:
+        """Copy ``checkpoint`` into ``folder``; the error, if that failed."""
+        try:
+            checkpoints.snapshot(checkpoint.path, folder)
+        except OSError as e:
+            return TableWriteError(
+                e.errno, f"saving a snapshot of {self.table.path} into {folder} failed: {e}"
+            )
+        return None
 
     def load(self, source: Table) -> None:
         """Make the table the snapshot ``source`` (read-only, checked compatible by the pipe):
         queued steps are applied first, then the cache is emptied without writing it back,
         pending gradients are dropped, and the snapshot is committed as the newest checkpoint."""
         self.check_open()
-        if self.shards is not None:
-            self.shards.begin(LOAD, self.writeback.submitted, self.generation)
         self.cache._check()
         if self.writeback is not None:
             self.writeback.wait()
@@ -503,23 +429,14 @@ class Owner:
             self.gradient.clear()
         with self.lock, self.cache._guard(f"loading the snapshot {source.path}"):
             self.cache.reset()
-            if self.shards is None:
-                self.table._restore(source.root, self.optimizer)
-            else:  # rank 0 restores every shard's files; the others open them again
-                error: BaseException | None = None
-                if self.shards.leader:
-                    try:
-                        self.table._restore(source.root, self.optimizer)
-                    except BaseException as e:
-                        error = e
-                self.shards.agree(error, f"loading the snapshot {source.path}")
-                if not self.shards.leader:
-                    self.table._meta = Table._shard_writer(self.table.path)._meta
-                    self.table._open_root(self.table.path)
+            self._restore(source)
             if self.writeback is not None:
                 self.writeback.restart_at(source.step)
             self.shared.publish(self.cache.clock)
             self.generation += 1
+
+    def _restore(self, source: Table) -> None:
+        self.table._restore(source.root, self.optimizer)
 
     # ------------------------------------------------------------------------- lifecycle
     def close(self, raise_errors: bool = True) -> None:
@@ -551,9 +468,14 @@ class Owner:
             except (WritebackError, TableWriteError) as e:
                 error = error or e
         hung = self.writeback is not None and self.writeback.alive  # a write hangs: leave it
-        if self.shards is not None:
-            self._close_shards(error, hung, raise_errors)
-            return
+        error = self._finish_close(error, hung)
+        self.closed = True
+        if error is not None and raise_errors:
+            raise error
+
+    def _finish_close(self, error: BaseException | None, hung: bool) -> BaseException | None:
+        """Commit what is trustworthy and release the table; returns the error close() raises
+        (``error``: the writeback's). A failed commit raises here: close() can be retried."""
         if self.cache.broken is None and not hung:
             changed = self.table._modified or self.cache.dirty.any()
             if changed or self.applied_step != self.table.step:
@@ -565,31 +487,7 @@ class Owner:
             self.table._abandon()  # never commit, nor roll back, under a thread still writing
         elif self.owns_table:
             self.table.close()
-        self.closed = True
-        if error is not None and raise_errors:
-            raise error
-
-    def _close_shards(self, error: BaseException | None, hung: bool, raise_errors: bool) -> None:
-        """close() of a sharded pipe: one last checkpoint of every shard together, or none (a
-        rank failed or died: the table reopens at the last checkpoint they all reached)."""
-        committed = False
-        try:
-            self.shards.begin(CLOSE, self.writeback.submitted, self.generation)
-            if hung:
-                raise WritebackError("a table write hangs on this rank; nothing is committed")
-            self._commit_shards()
-            committed = True
-        except BaseException as e:
-            error = error or e
-        self.table._release_claim()
-        if self.shards.leader and not committed:
-            self.table._abandon()  # the live files may hold a part of a step: never commit them
-        elif self.owns_table:
-            self.table.close()
-        self.shards.close()
-        self.closed = True
-        if error is not None and raise_errors:
-            raise error
+        return error
 
     def check_open(self) -> None:
         if self.closed:
@@ -610,6 +508,10 @@ class Owner:
             "cached_rows": int((self.shared.slot_id >= 0).sum()),
             "dirty_rows": int(self.cache.dirty.sum()),
         }
+
+
+def _exists(folder: str) -> TableExistsError:
+    return TableExistsError(f"{folder} already exists; save the checkpoint into a new folder")
 
 
 def _update_in_float32(

@@ -23,6 +23,7 @@ import sys
 import threading
 import warnings
 import weakref
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ from .hf import ignore_in_ddp, offloaded_embeddings
 from .optim import RowOptimizer
 from .owner import Owner
 from .policy import DEFAULT_WINDOW, make_policy
+from .shard_owner import ShardOwner
 from .shards import DEFAULT_TIMEOUT, Shards
 from .shards import process_group as group_of
 from .table import Table
@@ -151,14 +153,14 @@ class EmbeddingPipe:
                     check_finite=check_finite,
                 )
                 placeholders = offloaded_embeddings(table.path) if optimizer is not None else []
-                self._owner = Owner(
+                owner = Owner if shards is None else partial(ShardOwner, shards)
+                self._owner = owner(
                     table,
                     make_policy(policy, cache_rows, table.num_rows, lookahead),
                     optimizer,
                     options,
                     owns_table=owns_table,
                     parameter=next((p.rows for p in placeholders if p.rows is not None), None),
-                    shards=shards,
                 )
             except BaseException:
                 table._release_claim()
@@ -171,8 +173,8 @@ class EmbeddingPipe:
         self.optimizer = optimizer
         self.consistency = consistency
         self.padding_idx = padding_idx
-        if optimizer is not None:  # table.read() sees the pipe's rows (sharded: or raises)
-            table._reads_after(self._owner.flush if shards is None else self._owner.check_written)
+        if optimizer is not None:  # table.read() sees the pipe's rows
+            table._reads_after(self._owner.before_read)
             for placeholder in placeholders:
                 placeholder.attach(self.parameter)
         self._finalizer = weakref.finalize(self, _close_unclosed, self._owner, repr(self))

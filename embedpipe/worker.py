@@ -127,7 +127,9 @@ class Lookup:
         owned: tuple[int, int] | None = None,
     ) -> None:
         self.collate = collate
-        self.owned = owned  # a sharded pipe: the rows [lo, hi) this rank reads; others come later
+        #: A sharded pipe: the rows [lo, hi) this rank reads (the others come from their
+        #: owners, at the read); None: every row.
+        self.owned = None if owned in (None, (0, table.num_rows)) else owned
         self.defer = defer  # defer["misses"][0] == 1: leave misses to the owner
         self.ids_key = ids_key
         self.table_path = table.path
