@@ -447,6 +447,17 @@ def _open_shard(
                 "(path, rows, dim, dtype, optimizer): make the same pipe on every rank"
             )
         shards.agree(error, "checking the pipes agree")
+        idle = np.flatnonzero(np.diff(shards.bounds) == 0)
+        if shards.leader and len(idle):
+            warnings.warn(
+                f"{len(idle)} of the {shards.size} ranks own no rows of {opened.path}: its "
+                f"{opened.num_rows:,} rows are {-(-opened.num_rows // opened.chunk_rows)} chunk(s) "
+                f"of {opened.chunk_rows:,} and a shard is whole chunks; make the table with "
+                "smaller chunks (Table.create or embedpipe.hf.offload with chunk_rows=...) to "
+                "spread its rows over every rank",
+                RuntimeWarning,
+                stacklevel=3,
+            )
     except BaseException:
         if opened is not None:
             opened._release_claim()

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -214,12 +215,17 @@ def test_ranks_out_of_step_raise_on_every_rank(tmp_path):
         assert "out of step" in outcome["message"], outcome
 
 
-def _make_pipe(rank: int, path: str, init: str, results: str) -> None:
+def _make_pipe(rank: int, path: str, init: str, results: str, same: bool) -> None:
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
-        lr = 1.0 + rank  # rank 1 makes another pipe than rank 0
-        embedpipe.EmbeddingPipe(path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=lr))
-        outcome = "no error"
+        lr = 1.0 if same else 1.0 + rank  # rank 1 makes another pipe than rank 0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pipe = embedpipe.EmbeddingPipe(
+                path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=lr)
+            )
+        pipe.close()
+        outcome = "no error" + "".join(f"; warned: {w.message}" for w in caught)
     except Exception as e:
         outcome = f"{type(e).__name__}: {e}"
     finally:
@@ -228,14 +234,23 @@ def _make_pipe(rank: int, path: str, init: str, results: str) -> None:
         f.write(outcome)
 
 
-def test_ranks_that_make_different_pipes_raise_and_leave_the_table_free(tmp_path):
+def make_pipes(tmp_path, same: bool) -> list[str]:
+    """Both ranks make a pipe on a table of one chunk (50 rows) in a real process group."""
     embedpipe.Table.create(tmp_path / "t.zarr", 50, 4).close()
     init = f"file://{tmp_path / 'rendezvous'}"
-    torch.multiprocessing.spawn(
-        _make_pipe, args=(str(tmp_path / "t.zarr"), init, str(tmp_path)), nprocs=2, join=True
-    )
-    mine = (tmp_path / "rank1").read_text()
+    args = (str(tmp_path / "t.zarr"), init, str(tmp_path), same)
+    torch.multiprocessing.spawn(_make_pipe, args=args, nprocs=2, join=True)
+    return [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)]
+
+
+def test_a_table_of_fewer_chunks_than_ranks_warns_that_a_rank_owns_nothing(tmp_path):
+    leader, other = make_pipes(tmp_path, same=True)
+    assert leader.startswith("no error; warned: 1 of the 2 ranks own no rows"), leader
+    assert "chunk_rows=" in leader and other == "no error", (leader, other)
+
+
+def test_ranks_that_make_different_pipes_raise_and_leave_the_table_free(tmp_path):
+    theirs, mine = make_pipes(tmp_path, same=False)
     assert mine.startswith("ValueError") and "make the same pipe on every rank" in mine, mine
-    theirs = (tmp_path / "rank0").read_text()
     assert theirs.startswith("ShardMismatchError") and "rank 1 failed" in theirs, theirs
     embedpipe.Table.open(tmp_path / "t.zarr", "r+").close()  # nothing left locked
