@@ -113,7 +113,9 @@ class EmbeddingPipe:
                 shards = Shards(group, timeout)
                 lookahead = 0  # a rank's loader reads ahead only its own rows: not yet
         if shards is not None:
-            table, owns_table = _open_shard(table, shards, optimizer, keep)
+            # what must be the same on every rank, or the ranks would train different tables
+            same = (consistency, max_staleness, padding_idx, check_finite)
+            table, owns_table = _open_shard(table, shards, optimizer, keep, same)
         else:
             owns_table = not isinstance(table, Table)
             if owns_table:
@@ -410,6 +412,7 @@ def _open_shard(
     shards: Shards,
     optimizer: RowOptimizer,
     keep: int | None,
+    same: tuple[Any, ...],
 ) -> tuple[Table, bool]:
     """This rank's handle on a sharded table: rank 0 opens it to write (the writer lock, the
     checkpoints) and prepares it, then the others open handles that write their shards."""
@@ -439,12 +442,14 @@ def _open_shard(
             opened._owner = f"{_describe_creator()}, {shards.describe()}"
         shards.plan(opened.num_rows, opened.chunk_rows)
         facts = (opened.path, opened.num_rows, opened.dim, opened.dtype.name, optimizer.config())
+        facts += same
         mine = facts if shards.leader else None
         expected = shards.agree(None, "checking the pipes agree", mine)
         if facts != expected:
             error = ValueError(
                 f"{shards.describe()} made its pipe on {facts}, rank 0 on {expected} "
-                "(path, rows, dim, dtype, optimizer): make the same pipe on every rank"
+                "(path, rows, dim, dtype, optimizer, consistency, max_staleness, padding_idx, "
+                "check_finite): make the same pipe on every rank"
             )
         shards.agree(error, "checking the pipes agree")
         idle = np.flatnonzero(np.diff(shards.bounds) == 0)

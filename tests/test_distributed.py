@@ -215,14 +215,17 @@ def test_ranks_out_of_step_raise_on_every_rank(tmp_path):
         assert "out of step" in outcome["message"], outcome
 
 
-def _make_pipe(rank: int, path: str, init: str, results: str, same: bool) -> None:
+def _make_pipe(rank: int, path: str, init: str, results: str, differ: str | None) -> None:
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
-        lr = 1.0 if same else 1.0 + rank  # rank 1 makes another pipe than rank 0
+        options = {"lr": 1.0, "padding_idx": None}
+        if differ is not None and rank == 1:  # rank 1 makes another pipe than rank 0
+            options[differ] = 2
+        lr = options.pop("lr")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             pipe = embedpipe.EmbeddingPipe(
-                path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=lr)
+                path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=lr), **options
             )
         pipe.close()
         outcome = "no error" + "".join(f"; warned: {w.message}" for w in caught)
@@ -234,23 +237,24 @@ def _make_pipe(rank: int, path: str, init: str, results: str, same: bool) -> Non
         f.write(outcome)
 
 
-def make_pipes(tmp_path, same: bool) -> list[str]:
+def make_pipes(tmp_path, differ: str | None) -> list[str]:
     """Both ranks make a pipe on a table of one chunk (50 rows) in a real process group."""
     embedpipe.Table.create(tmp_path / "t.zarr", 50, 4).close()
     init = f"file://{tmp_path / 'rendezvous'}"
-    args = (str(tmp_path / "t.zarr"), init, str(tmp_path), same)
+    args = (str(tmp_path / "t.zarr"), init, str(tmp_path), differ)
     torch.multiprocessing.spawn(_make_pipe, args=args, nprocs=2, join=True)
     return [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)]
 
 
 def test_a_table_of_fewer_chunks_than_ranks_warns_that_a_rank_owns_nothing(tmp_path):
-    leader, other = make_pipes(tmp_path, same=True)
+    leader, other = make_pipes(tmp_path, differ=None)
     assert leader.startswith("no error; warned: 1 of the 2 ranks own no rows"), leader
     assert "chunk_rows=" in leader and other == "no error", (leader, other)
 
 
-def test_ranks_that_make_different_pipes_raise_and_leave_the_table_free(tmp_path):
-    theirs, mine = make_pipes(tmp_path, same=False)
+@pytest.mark.parametrize("differ", ["lr", "padding_idx"])
+def test_ranks_that_make_different_pipes_raise_and_leave_the_table_free(tmp_path, differ):
+    theirs, mine = make_pipes(tmp_path, differ)
     assert mine.startswith("ValueError") and "make the same pipe on every rank" in mine, mine
     assert theirs.startswith("ShardMismatchError") and "rank 1 failed" in theirs, theirs
     embedpipe.Table.open(tmp_path / "t.zarr", "r+").close()  # nothing left locked
