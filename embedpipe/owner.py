@@ -100,6 +100,8 @@ class Owner:
                 "filled_ahead",
                 "refreshed",
                 "ring_overruns",
+                "remote_rows",  # a sharded pipe's rows from other ranks, and served to them
+                "served_rows",
             ),
             0,
         )

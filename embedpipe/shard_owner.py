@@ -35,7 +35,6 @@ class ShardOwner(Owner):
         super().__init__(*args, **kwargs)
         self.shards = shards
         self.owned = shards.owned
-        self.counts.update(remote_rows=0, served_rows=0)
         #: (steps submitted, generation) when every rank last wrote its rows to the files.
         self.written = (0, 0)
 
