@@ -36,7 +36,7 @@ class ShardOwner(Owner):
         self.shards = shards
         self.owned = shards.owned
         #: (steps submitted, generation) when every rank last wrote its rows to the files.
-        self.written = (0, 0)
+        self.written = (self.writeback.submitted, self.generation)
 
     # ------------------------------------------------------------------------- training loop
     def refresh(self, batch: EmbeddedBatch) -> None:
@@ -56,8 +56,12 @@ class ShardOwner(Owner):
                 submitted, self.generation, ids[remote], self._serve, table.dim, table.dtype
             )
             self.counts["remote_rows"] += len(remote)
+            # the owners applied at least submitted - behind steps before they answered
             batch._fetched(
-                torch.from_numpy(remote), torch.from_numpy(rows), submitted, self.generation
+                torch.from_numpy(remote),
+                torch.from_numpy(rows),
+                submitted - self.behind,
+                self.generation,
             )
         super().refresh(batch)
 
@@ -150,9 +154,13 @@ class ShardOwner(Owner):
         self.check_open()
         self._begin(LOAD)
         super().load(source)
+        self.written = (self.writeback.submitted, self.generation)  # the files are the snapshot
 
     def _restore(self, source: Table) -> None:
-        """Rank 0 restores every shard's files; the others open them again."""
+        """Rank 0 restores every shard's files; the others open them again. Called under the
+        owner's lock, after its writeback applied every queued step: no rank writes a row
+        (a step, a write ahead) from the first agreement to the second."""
+        self.shards.agree(None, f"stopping its writes to load the snapshot {source.path}")
         error: BaseException | None = None
         if self.shards.leader:
             try:
@@ -171,8 +179,9 @@ class ShardOwner(Owner):
         committed = False
         try:
             self._begin(CLOSE)
-            if hung:
-                raise WritebackError("a table write hangs on this rank; nothing is committed")
+            if hung:  # every rank raises it (the others wait for this rank's rows)
+                failed = WritebackError(f"a table write hangs on {self.shards.describe()}")
+                self.shards.agree(failed, "writing its rows for a checkpoint")
             self._commit_shards()
             committed = True
         except BaseException as e:

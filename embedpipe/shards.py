@@ -200,7 +200,15 @@ class Shards:
                 group=self.group,
             ),
         )
-        answer = torch.from_numpy(np.ascontiguousarray(serve(requests.numpy()), dtype=dtype))
+        failed: BaseException | None = None
+        try:
+            served = np.ascontiguousarray(serve(requests.numpy()), dtype=dtype)
+        except BaseException as e:  # a failed write of an evicted row, a writeback error
+            # The others wait in the exchange below: complete it (with rows that are never
+            # used), then refuse every later exchange. The others raise PeerLostError at their
+            # next one (backward's), so no step ever takes these rows.
+            failed, served = e, np.zeros((int(to_me.sum()), dim), dtype=dtype)
+        answer = torch.from_numpy(served)
         got = torch.empty((len(wanted), dim), dtype=answer.dtype)
         self._call(
             _DOING[ROWS],
@@ -208,6 +216,12 @@ class Shards:
                 got, answer, counts.tolist(), to_me.tolist(), group=self.group
             ),
         )
+        if failed is not None:
+            self.lost = ShardMismatchError(
+                f"{self.describe()} failed to serve its rows to the other ranks "
+                f"({type(failed).__name__}: {failed}); the ranks cannot go on together"
+            )
+            raise failed
         return got.numpy()
 
     def gradient(

@@ -5,19 +5,21 @@
 Every run trains the tiny BERT of ``helpers.py`` with DDP on its dense weights, on the batches a
 ``DistributedSampler`` deals each rank, and writes what the test compares into ``FOLDER`` (rank 0).
 
-- ``parity OPTIMIZER WORKERS CLIP``: DDP over the whole model with ``nn.Embedding`` and the
-  matching torch optimizer (the reference), then the same with the embeddings offloaded to a
-  table sharded over the ranks; saves both tables and both models' dense weights.
+- ``parity OPTIMIZER:WORKERS:CLIP ...``: for each run, DDP over the whole model with
+  ``nn.Embedding`` and the matching torch optimizer (the reference), then the same with the
+  embeddings offloaded to a table sharded over the ranks; saves both tables and both models'
+  dense weights into ``FOLDER/OPTIMIZER/``.
 - ``resume PHASE``: ``first`` trains straight through (the reference), then trains a second
   table to a checkpoint, takes two more steps and dies without closing; ``second`` reopens that
   table and finishes the epoch from the checkpoint.
 - ``lose HOW``: rank 1 dies (``kill``) or hangs (``hang``) at step 3; rank 0 records the error it
   gets and how long it took.
 - ``mismatch``: rank 1 reads one batch more than rank 0.
-- ``trainer ACCUMULATION``: ``transformers.Trainer`` with ``nn.Embedding`` (the reference, the
-  settings of ``test_hf_trainer.py``), then ``embedpipe.hf.Trainer`` with checkpoints, then a
-  run resumed from its first checkpoint into a fresh table, then ``save_model``; saves tables,
-  dense weights and logged grad norms.
+- ``trainer ACCUMULATION ...``: for each, ``transformers.Trainer`` with ``nn.Embedding`` (the
+  reference, the settings of ``test_hf_trainer.py``), then ``embedpipe.hf.Trainer`` with
+  checkpoints, then a run resumed from its first checkpoint into a fresh table, then
+  ``save_model``; saves tables, dense weights and logged grad norms into ``FOLDER/ACCUMULATION/``.
+One launch does several runs: each launch costs seconds of imports on 2 cores.
 """
 
 from __future__ import annotations
@@ -105,13 +107,13 @@ def optimizer_for(model: torch.nn.Module, pipe: embedpipe.EmbeddingPipe, optimiz
 
 
 def train_offloaded(
-    path: str, optimizer: str, workers: int, clip: float, *, steps: range | None = None
+    path: str, optimizer: str, workers: int, clip: float, **options
 ) -> tuple[torch.nn.Module, embedpipe.EmbeddingPipe, torch.optim.Optimizer]:
     model = offloaded_model(path)
     ddp = DDP(model)
-    pipe = make_pipe(path, optimizer)
+    pipe = make_pipe(path, optimizer, **options)
     opt = optimizer_for(model, pipe, optimizer)
-    run(ddp, model, pipe, opt, workers, clip, steps or range(STEPS))
+    run(ddp, model, pipe, opt, workers, clip, range(STEPS))
     return model, pipe, opt
 
 
@@ -144,10 +146,22 @@ def dense_state(model: torch.nn.Module) -> dict:
     }
 
 
-def parity(folder: str, optimizer: str, workers: str, clip: str) -> None:
+def parity(folder: str, *runs: str) -> None:
+    for name in runs:
+        os.makedirs(os.path.join(folder, name), exist_ok=True)
+        if name == "reload":
+            reload(os.path.join(folder, name))
+        else:
+            parity_run(os.path.join(folder, name), *name.split(":"))
+
+
+def parity_run(
+    folder: str, optimizer: str, workers: str, clip: str, consistency: str = "exact"
+) -> None:
     reference, reference_dense = train_reference(optimizer, float(clip))
     path = os.path.join(folder, "table.zarr")
-    model, pipe, _ = train_offloaded(path, optimizer, int(workers), float(clip))
+    options = {"consistency": "bounded", "max_staleness": 2} if consistency == "bounded" else {}
+    model, pipe, _ = train_offloaded(path, optimizer, int(workers), float(clip), **options)
     stats = pipe.stats()
     try:
         pipe.table.to_tensor()  # the other rank's cached rows are not in the files yet
@@ -176,6 +190,30 @@ def parity(folder: str, optimizer: str, workers: str, clip: str) -> None:
 
 
 CHECKPOINT_AT = 4
+
+
+def reload(folder: str) -> None:
+    """Adagrad, 2 workers, clipping (the parity run's settings): 2 steps, a snapshot, 2 more
+    steps, then load_checkpoint right after a step (a rank's writeback may still be applying
+    it), the dense weights back, and steps 3 to 8 again: the table the straight run trains."""
+    path = os.path.join(folder, "table.zarr")
+    model = offloaded_model(path)
+    ddp = DDP(model)
+    pipe = make_pipe(path, "adagrad")
+    opt = optimizer_for(model, pipe, "adagrad")
+    run(ddp, model, pipe, opt, 2, 1.0, range(2))
+    snapshot = os.path.join(folder, "snapshot")
+    pipe.save_checkpoint(snapshot)
+    dense = {k: v.clone() for k, v in model.state_dict().items()}
+    run(ddp, model, pipe, opt, 2, 1.0, range(2, 4))
+    pipe.load_checkpoint(snapshot)
+    model.load_state_dict(dense)
+    run(ddp, model, pipe, opt, 2, 1.0, range(2, STEPS))
+    pipe.close()
+    if dist.get_rank() == 0:
+        table = embedpipe.Table.open(path)
+        result = {"offloaded": table.to_tensor(), "dense": dense_state(model), "step": table.step}
+        torch.save(result, os.path.join(folder, "result.pt"))
 
 
 def resume(folder: str, phase: str) -> None:
@@ -267,7 +305,13 @@ def mismatch(folder: str) -> None:
         json.dump(outcome, f)
 
 
-def trainer(folder: str, accumulation: str) -> None:
+def trainer(folder: str, *accumulations: str) -> None:
+    for accumulation in accumulations:
+        os.makedirs(os.path.join(folder, accumulation), exist_ok=True)
+        trainer_run(os.path.join(folder, accumulation), accumulation)
+
+
+def trainer_run(folder: str, accumulation: str) -> None:
     from tests.frameworks import VOCAB, bert, offloaded, samples
     from tests.test_hf_trainer import ReferenceTrainer, arguments, grad_norms
 

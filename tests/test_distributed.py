@@ -81,16 +81,25 @@ def launch(*args: str, env: dict[str, str] | None = None) -> list[subprocess.Pop
     ]
 
 
-@pytest.mark.parametrize(
-    "optimizer, workers, clip",
-    [("sgd", "0", "0"), ("adagrad", "2", "1.0")],
-    ids=["sgd", "adagrad-2-workers-clipped"],
-)
+@pytest.fixture(scope="module")
+def parity_runs(tmp_path_factory):
+    """SGD with no workers; Adagrad with 2 workers a rank and clipping every step, straight
+    and with a load_checkpoint mid-run; SGD in bounded mode."""
+    folder = tmp_path_factory.mktemp("parity")
+    torchrun("parity", str(folder), *RUNS.values(), "reload", BOUNDED)
+    return folder
+
+
+RUNS = {"sgd": "sgd:0:0", "adagrad": "adagrad:2:1.0"}
+BOUNDED = "sgd:2:0:bounded"
+
+
+@pytest.mark.parametrize("optimizer", list(RUNS))
 def test_two_ranks_train_the_table_ddp_trains_with_a_replicated_embedding(
-    tmp_path, capsys, optimizer, workers, clip
+    parity_runs, capsys, optimizer
 ):
-    torchrun("parity", str(tmp_path), optimizer, workers, clip)
-    result = torch.load(tmp_path / "result.pt")
+    folder = parity_runs / RUNS[optimizer]
+    result = torch.load(folder / "result.pt")
     changed = (result["reference"] != result["offloaded"]).any(dim=1)
     assert not changed.any(), f"{int(changed.sum())} rows differ from DDP + nn.Embedding"
     for name, value in result["reference_dense"].items():
@@ -103,7 +112,7 @@ def test_two_ranks_train_the_table_ddp_trains_with_a_replicated_embedding(
     initial = tiny_model().bert.embeddings.word_embeddings.weight.detach()
     assert int((result["offloaded"] != initial).any(dim=1).sum()) > 50  # it trained rows
     # embedpipe info names the shards of the last training, until one process trains the table
-    path = str(tmp_path / "table.zarr")
+    path = str(folder / "table.zarr")
     assert main(["info", path]) == 0
     assert "2 ranks (rank 0: rows 0-511, rank 1: rows 512-999)" in capsys.readouterr().out
     embedpipe.EmbeddingPipe(path, cache_rows=0, optimizer=embedpipe.optim.SGD(lr=0.1)).close()
@@ -111,17 +120,44 @@ def test_two_ranks_train_the_table_ddp_trains_with_a_replicated_embedding(
     assert "none (trained by one process)" in capsys.readouterr().out
 
 
+def test_loading_a_snapshot_mid_run_on_every_rank_trains_the_straight_runs_table(parity_runs):
+    straight = torch.load(parity_runs / RUNS["adagrad"] / "result.pt")
+    reloaded = torch.load(parity_runs / "reload" / "result.pt")
+    assert reloaded["step"] == 8
+    assert torch.equal(reloaded["offloaded"], straight["reference"])
+    for name, value in straight["reference_dense"].items():
+        assert torch.equal(value, reloaded["dense"][name]), name
+
+
+def test_bounded_mode_trains_a_sharded_table_near_the_exact_one(parity_runs):
+    """Bounded mode lets a batch's rows miss up to 2 steps (which, depends on timing): the run
+    completes on both ranks, every step, close to the exact table."""
+    result = torch.load(parity_runs / BOUNDED / "result.pt")
+    assert result["step"] == 8 and torch.isfinite(result["offloaded"]).all()
+    initial = tiny_model().bert.embeddings.word_embeddings.weight.detach()
+    assert int((result["offloaded"] != initial).any(dim=1).sum()) > 50  # it trained rows
+    exact = result["reference"]
+    assert (result["offloaded"] - exact).abs().max() < 0.5 * (exact - initial).abs().max()
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("trainer")
+    torchrun("trainer", str(folder), "1", "2")
+    return folder
+
+
 @pytest.mark.parametrize("accumulation", ["1", "2"])
 def test_hf_trainer_under_torchrun_trains_the_table_trainer_trains_with_nn_embedding(
-    tmp_path, accumulation
+    trainer_runs, accumulation
 ):
     """Trainer's own DDP, clipping every step, a warmup schedule, 2 workers a rank, a 5% cache
     a rank, checkpoints, resume, save_model. Without accumulation the runs are equal bit for
     bit; with it, DDP averages the ranks' gradients once a step (its no_sync) and embedpipe
     once a backward pass, so they are equal to float rounding (measured: 9.3e-10 at most)."""
     transformers = pytest.importorskip("transformers")
-    torchrun("trainer", str(tmp_path), accumulation)
-    result = torch.load(tmp_path / "result.pt")
+    folder = trainer_runs / accumulation
+    result = torch.load(folder / "result.pt")
     steps = 8 // int(accumulation)
     assert result["steps"] == (steps, steps, steps)
     expected, got = result["reference"], result["offloaded"]
@@ -142,7 +178,7 @@ def test_hf_trainer_under_torchrun_trains_the_table_trainer_trains_with_nn_embed
     assert torch.equal(result["resumed"], got)
     for name, value in result["offloaded_dense"].items():
         assert torch.equal(value, result["resumed_dense"][name]), name
-    saved = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "saved")
+    saved = transformers.BertForSequenceClassification.from_pretrained(folder / "saved")
     assert torch.equal(saved.get_input_embeddings().weight, got)
 
 
@@ -178,7 +214,7 @@ def _outcome(folder, rank: int, procs: list[subprocess.Popen], limit: float) -> 
 # the sockets they inherited until their watchdog sees the parent gone (torch checks every 5 s).
 # So a kill is seen within seconds, well inside a timeout long enough to tell the two apart, and
 # a hang at the timeout. These are bounds the issue asks for, not speed: both are generous.
-TIMEOUTS = {"kill": 60, "hang": 10}
+TIMEOUTS = {"kill": 60, "hang": 6}
 
 
 @pytest.mark.parametrize("how", ["kill", "hang"])
@@ -215,46 +251,57 @@ def test_ranks_out_of_step_raise_on_every_rank(tmp_path):
         assert "out of step" in outcome["message"], outcome
 
 
-def _make_pipe(rank: int, path: str, init: str, results: str, differ: str | None) -> None:
+SCENARIOS = (None, "lr", "padding_idx")  # the same pipe; or rank 1 differs in this option
+
+
+def _make_pipes(rank: int, folder: str, init: str) -> None:
+    """Each scenario in turn, on a table of one chunk (50 rows), in one real process group."""
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
-        options = {"lr": 1.0, "padding_idx": None}
-        if differ is not None and rank == 1:  # rank 1 makes another pipe than rank 0
-            options[differ] = 2
-        lr = options.pop("lr")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            pipe = embedpipe.EmbeddingPipe(
-                path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=lr), **options
-            )
-        pipe.close()
-        outcome = "no error" + "".join(f"; warned: {w.message}" for w in caught)
-    except Exception as e:
-        outcome = f"{type(e).__name__}: {e}"
+        for differ in SCENARIOS:
+            options = {"lr": 1.0, "padding_idx": None}
+            if differ is not None and rank == 1:
+                options[differ] = 2
+            lr = options.pop("lr")
+            path = os.path.join(folder, f"{differ}.zarr")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    pipe = embedpipe.EmbeddingPipe(
+                        path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=lr), **options
+                    )
+                pipe.close()
+                outcome = "no error" + "".join(f"; warned: {w.message}" for w in caught)
+            except Exception as e:
+                outcome = f"{type(e).__name__}: {e}"
+            with open(os.path.join(folder, f"{differ}-rank{rank}"), "w") as f:
+                f.write(outcome)
     finally:
         torch.distributed.destroy_process_group()
-    with open(os.path.join(results, f"rank{rank}"), "w") as f:
-        f.write(outcome)
 
 
-def make_pipes(tmp_path, differ: str | None) -> list[str]:
-    """Both ranks make a pipe on a table of one chunk (50 rows) in a real process group."""
-    embedpipe.Table.create(tmp_path / "t.zarr", 50, 4).close()
-    init = f"file://{tmp_path / 'rendezvous'}"
-    args = (str(tmp_path / "t.zarr"), init, str(tmp_path), differ)
-    torch.multiprocessing.spawn(_make_pipe, args=args, nprocs=2, join=True)
-    return [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)]
+@pytest.fixture(scope="module")
+def made_pipes(tmp_path_factory):
+    """What each rank's EmbeddingPipe(...) said, per scenario: [rank 0's, rank 1's]."""
+    folder = tmp_path_factory.mktemp("pipes")
+    for differ in SCENARIOS:
+        embedpipe.Table.create(folder / f"{differ}.zarr", 50, 4).close()
+    init = f"file://{folder / 'rendezvous'}"
+    torch.multiprocessing.spawn(_make_pipes, args=(str(folder), init), nprocs=2, join=True)
+    said = {d: [(folder / f"{d}-rank{r}").read_text() for r in (0, 1)] for d in SCENARIOS}
+    return folder, said
 
 
-def test_a_table_of_fewer_chunks_than_ranks_warns_that_a_rank_owns_nothing(tmp_path):
-    leader, other = make_pipes(tmp_path, differ=None)
+def test_a_table_of_fewer_chunks_than_ranks_warns_that_a_rank_owns_nothing(made_pipes):
+    leader, other = made_pipes[1][None]
     assert leader.startswith("no error; warned: 1 of the 2 ranks own no rows"), leader
     assert "chunk_rows=" in leader and other == "no error", (leader, other)
 
 
 @pytest.mark.parametrize("differ", ["lr", "padding_idx"])
-def test_ranks_that_make_different_pipes_raise_and_leave_the_table_free(tmp_path, differ):
-    theirs, mine = make_pipes(tmp_path, differ)
+def test_ranks_that_make_different_pipes_raise_and_leave_the_table_free(made_pipes, differ):
+    folder, said = made_pipes
+    theirs, mine = said[differ]
     assert mine.startswith("ValueError") and "make the same pipe on every rank" in mine, mine
     assert theirs.startswith("ShardMismatchError") and "rank 1 failed" in theirs, theirs
-    embedpipe.Table.open(tmp_path / "t.zarr", "r+").close()  # nothing left locked
+    embedpipe.Table.open(folder / f"{differ}.zarr", "r+").close()  # nothing left locked

@@ -203,7 +203,9 @@ def test_zero_grad_without_set_to_none_drops_rows_as_a_sparse_gradient_does(tmp_
         small_table(tmp_path), cache_rows=10, optimizer=embedpipe.optim.Adam(lr=0.1)
     ) as pipe:
         holder = torch.optim.SGD([pipe.parameter], lr=0.1)
-        loader = iter(pipe.loader([{"input_ids": first[0]}, {"input_ids": second[0]}], batch_size=1))
+        loader = iter(
+            pipe.loader([{"input_ids": first[0]}, {"input_ids": second[0]}], batch_size=1)
+        )
         for ids, optimizer in ((first, torch_adam), (second, torch_adam)):
             (reference(ids) ** 2).sum().backward()
             optimizer.step()
