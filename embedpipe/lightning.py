@@ -29,6 +29,7 @@ from typing import Any
 import lightning
 
 from .checkpoints import snapshot
+from .hf import OffloadedEmbedding, ignore_in_ddp
 from .pipe import EmbeddingPipe
 
 #: The key of the table in a Lightning checkpoint.
@@ -48,6 +49,11 @@ class PipeCallback(lightning.Callback):
     ) -> None:
         if all(p is not self.pipe.parameter for p in pl_module.parameters()):
             self.pipe.attach(pl_module)
+        # Lightning's DDP wraps the LightningModule, whose attribute DDP reads: offload told
+        # only the model inside it to leave the table's parameter alone (docs/scale-out.md)
+        for module in pl_module.modules():
+            if isinstance(module, OffloadedEmbedding):
+                ignore_in_ddp(pl_module, module)
 
     def on_save_checkpoint(
         self,

@@ -24,6 +24,7 @@ One launch does several runs: each launch costs seconds of imports on 2 cores.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -358,11 +359,79 @@ def trainer_run(folder: str, accumulation: str) -> None:
         torch.save(result, os.path.join(folder, "result.pt"))
 
 
+def lightning_ddp(folder: str) -> None:
+    """Lightning's own DDP (``strategy="ddp"`` under torchrun) with clipping, accumulation 2, a
+    warmup schedule and a checkpoint a epoch: nn.Embedding, then the table with PipeCallback,
+    then a run resumed from the first epoch's checkpoint."""
+    from embedpipe.lightning import PipeCallback
+    from tests.frameworks import bert, offloaded, samples, with_adagrad_table
+    from tests.test_frameworks import (
+        DENSE_LR,
+        TABLE_LR,
+        lightning_fit,
+        offloaded_inputs,
+        reference_inputs,
+    )
+
+    data = samples(32)
+    ddp = {"devices": 2, "strategy": "ddp_find_unused_parameters_true"}
+    ddp["use_distributed_sampler"] = False  # the loaders get theirs
+
+    def loader_of(make):
+        return make(data, batch_size=4, sampler=DistributedSampler(data, shuffle=False))
+
+    def reference_optimizer(model):
+        dense = torch.optim.AdamW(dense_parameters(model), lr=DENSE_LR, eps=1e-6)
+        return with_adagrad_table(dense, model.get_input_embeddings().weight)
+
+    reference = bert(dropout=0.0)
+    root = os.path.join(folder, "reference")
+    lightning_fit(
+        reference, reference_optimizer, loader_of(DataLoader), reference_inputs, root=root, **ddp
+    )
+
+    def run(name: str, ckpt: str | None = None) -> torch.Tensor:
+        model = bert(dropout=0.0)
+        pipe = offloaded(model, os.path.join(folder, f"{name}.zarr"))
+
+        def optimizer(m):
+            groups = [{"params": dense_parameters(m)}, {"params": [pipe.parameter], "lr": TABLE_LR}]
+            return torch.optim.AdamW(groups, lr=DENSE_LR, eps=1e-6)
+
+        lightning_fit(
+            model,
+            optimizer,
+            loader_of(pipe.loader),
+            offloaded_inputs,
+            callbacks=[PipeCallback(pipe)],
+            root=os.path.join(folder, name),
+            ckpt=ckpt,
+            **ddp,
+        )
+        pipe.flush()
+        table = pipe.table.to_tensor()
+        pipe.close()
+        return table, model
+
+    whole, model = run("whole")
+    first = sorted(glob.glob(os.path.join(folder, "whole", "epoch=0*.ckpt")))[0]
+    resumed, _ = run("resumed", ckpt=first)
+    if dist.get_rank() == 0:
+        result = {
+            "reference": reference.get_input_embeddings().weight.detach().clone(),
+            "reference_dense": dense_state(reference),
+            "offloaded": whole,
+            "offloaded_dense": dense_state(model),
+            "resumed": resumed,
+        }
+        torch.save(result, os.path.join(folder, "result.pt"))
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
     dist.init_process_group("gloo")
     mode, folder, *args = sys.argv[1:]
     modes = {"parity": parity, "resume": resume, "lose": lose, "mismatch": mismatch}
-    modes["trainer"] = trainer
+    modes.update(trainer=trainer, lightning=lightning_ddp)
     modes[mode](folder, *args)
     dist.destroy_process_group()

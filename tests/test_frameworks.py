@@ -270,7 +270,7 @@ class Unsized(torch.utils.data.IterableDataset):
 
 
 def lightning_fit(
-    model, make_optimizer, loader, inputs, *, callbacks=(), epochs=2, ckpt=None, root
+    model, make_optimizer, loader, inputs, *, callbacks=(), epochs=2, ckpt=None, root, **options
 ):
     lightning = pytest.importorskip("lightning")
 
@@ -293,7 +293,6 @@ def lightning_fit(
     trainer = lightning.Trainer(
         max_epochs=epochs,
         accelerator="cpu",
-        devices=1,
         gradient_clip_val=CLIP,
         accumulate_grad_batches=2,
         callbacks=[*callbacks, checkpoints],
@@ -301,6 +300,7 @@ def lightning_fit(
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=root,
+        **{"devices": 1, **options},
     )
     trainer.fit(Module(), train_dataloaders=loader, ckpt_path=ckpt)
     return trainer
