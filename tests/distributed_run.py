@@ -15,10 +15,12 @@ Every run trains the tiny BERT of ``helpers.py`` with DDP on its dense weights, 
 - ``lose HOW``: rank 1 dies (``kill``) or hangs (``hang``) at step 3; rank 0 records the error it
   gets and how long it took.
 - ``mismatch``: rank 1 reads one batch more than rank 0.
-- ``trainer ACCUMULATION ...``: for each, ``transformers.Trainer`` with ``nn.Embedding`` (the
-  reference, the settings of ``test_hf_trainer.py``), then ``embedpipe.hf.Trainer`` with
-  checkpoints, then a run resumed from its first checkpoint into a fresh table, then
-  ``save_model``; saves tables, dense weights and logged grad norms into ``FOLDER/ACCUMULATION/``.
+- ``frameworks``: ``transformers.Trainer`` with ``nn.Embedding`` (the reference, the settings
+  of ``test_hf_trainer.py``), then ``embedpipe.hf.Trainer`` with checkpoints, then a run
+  resumed from its first checkpoint into a fresh table, then ``evaluate`` and ``save_model``,
+  without and with accumulation (``FOLDER/trainer-1/``, ``trainer-2/``); the same for Lightning's
+  DDP (``lightning/``) and an Accelerate loop (``accelerate/``), each against itself with
+  ``nn.Embedding``.
 One launch does several runs: each launch costs seconds of imports on 2 cores.
 """
 
@@ -306,10 +308,17 @@ def mismatch(folder: str) -> None:
         json.dump(outcome, f)
 
 
-def trainer(folder: str, *accumulations: str) -> None:
-    for accumulation in accumulations:
-        os.makedirs(os.path.join(folder, accumulation), exist_ok=True)
-        trainer_run(os.path.join(folder, accumulation), accumulation)
+def frameworks(folder: str) -> None:
+    """HF Trainer without and with accumulation, Lightning's DDP, an Accelerate loop."""
+    runs = {
+        "trainer-1": lambda out: trainer_run(out, "1"),
+        "trainer-2": lambda out: trainer_run(out, "2"),
+        "lightning": lightning_ddp,
+        "accelerate": accelerate_ddp,
+    }
+    for name, run_ in runs.items():
+        os.makedirs(os.path.join(folder, name), exist_ok=True)
+        run_(os.path.join(folder, name))
 
 
 def trainer_run(folder: str, accumulation: str) -> None:
@@ -327,6 +336,8 @@ def trainer_run(folder: str, accumulation: str) -> None:
         train_dataset=data,
     )
     reference.train()
+    held_out = samples(20, seed=1)  # 5 a rank: Accelerate evens out the ranks' batches
+    reference_eval = reference.evaluate(held_out)["eval_loss"]
 
     def train(name: str, resume: str | None = None):
         model = bert()
@@ -338,6 +349,7 @@ def trainer_run(folder: str, accumulation: str) -> None:
 
     straight, pipe = train("embedpipe")
     steps = straight.state.global_step
+    evaluation = straight.evaluate(held_out)["eval_loss"]  # every rank reads its batches' rows
     first = os.path.join(folder, "embedpipe", f"checkpoint-{every}")
     resumed, resumed_pipe = train("resumed", resume=first)
     straight.save_model(os.path.join(folder, "saved"))  # every rank, as Trainer's examples do
@@ -352,6 +364,7 @@ def trainer_run(folder: str, accumulation: str) -> None:
         "offloaded_dense": dense_state(straight.model),
         "resumed_dense": dense_state(resumed.model),
         "grad_norms": (grad_norms(reference), grad_norms(straight)),
+        "eval_loss": (reference_eval, evaluation),
     }
     pipe.close()
     resumed_pipe.close()
@@ -427,11 +440,50 @@ def lightning_ddp(folder: str) -> None:
         torch.save(result, os.path.join(folder, "result.pt"))
 
 
+def accelerate_ddp(folder: str) -> None:
+    """The Accelerate loop of ``test_frameworks.py`` (accumulate 2, clip at each sync, warmup,
+    the table in save_state/load_state) under torchrun: nn.Embedding, then the table, then a
+    run resumed from the state saved after 2 batches (load_state + skip_first_batches)."""
+    from tests.frameworks import bert, offloaded, samples, with_adagrad_table
+    from tests.test_frameworks import (
+        DENSE_LR,
+        TABLE_LR,
+        accelerate_run,
+        offloaded_inputs,
+        reference_inputs,
+    )
+
+    data = samples(36)  # 9 batches of 4: 5 a rank (Accelerate repeats samples to even them)
+    reference = bert(dropout=0.0)
+    dense = torch.optim.AdamW(dense_parameters(reference), lr=DENSE_LR, eps=1e-6)
+    optimizer = with_adagrad_table(dense, reference.get_input_embeddings().weight)
+    accelerate_run(reference, optimizer, DataLoader(data, batch_size=4), reference_inputs)
+    result = {"reference": reference.get_input_embeddings().weight.detach().clone()}
+    result["reference_dense"] = dense_state(reference)
+    state = os.path.join(folder, "whole.zarr") + ".state"
+    for name, resume in (("whole", None), ("resumed", (state, 2))):
+        model = bert(dropout=0.0)
+        pipe = offloaded(model, os.path.join(folder, f"{name}.zarr"))
+        groups = [{"params": dense_parameters(model)}, {"params": [pipe.parameter], "lr": TABLE_LR}]
+        optimizer = torch.optim.AdamW(groups, lr=DENSE_LR, eps=1e-6)
+        loader = pipe.loader(data, batch_size=4, num_workers=2)
+        save_at = 2 if resume is None else None
+        model = accelerate_run(
+            model, optimizer, loader, offloaded_inputs, save_at=save_at, resume=resume
+        )
+        pipe.flush()
+        result[name] = pipe.table.to_tensor()
+        result[f"{name}_dense"] = dense_state(getattr(model, "module", model))
+        pipe.close()
+    if dist.get_rank() == 0:
+        torch.save(result, os.path.join(folder, "result.pt"))
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
     dist.init_process_group("gloo")
     mode, folder, *args = sys.argv[1:]
     modes = {"parity": parity, "resume": resume, "lose": lose, "mismatch": mismatch}
-    modes.update(trainer=trainer, lightning=lightning_ddp)
+    modes["frameworks"] = frameworks
     modes[mode](folder, *args)
     dist.destroy_process_group()
