@@ -9,22 +9,27 @@ two ranks ever write one chunk file. Each rank's DataLoader workers read only th
 the rest of a batch comes from the other owners. Three collectives, on a gloo group of embedpipe's
 own (rows live in host memory; DDP's traffic on the default group is never interleaved with ours):
 
-- **rows** (when the model reads a batch: ``Owner.refresh``): each rank asks every owner for the
+- **rows** (when the model reads a batch: ``ShardOwner.refresh``): each rank asks every owner for the
   batch's rows it does not own (``all_to_all_single`` of ids, then of rows). An owner first waits
   for its writeback to apply the steps submitted so far, so the rows are those an ``nn.Embedding``
   replicated by DDP would hold at that moment.
-- **gradient** (in backward, when the rows' gradient arrives: ``Owner.on_grad``): every rank
-  gathers every rank's (ids, gradient) and sums them, each scaled by 1/N, in rank order: DDP's
-  averaged gradient of a replicated ``nn.Embedding``, restricted to the rows that have one. Every
-  rank then holds the same ``pipe.parameter.grad``, so ``clip_grad_norm_`` computes the norm DDP
-  would on every rank, and accumulation adds as ``.grad`` does.
+- **gradient** (in backward, when the rows' gradient arrives: ``ShardOwner._add_gradient``):
+  every rank gathers every rank's (ids, gradient) and sums them, each scaled by 1/N, in rank
+  order: DDP's averaged gradient of a replicated ``nn.Embedding``, restricted to the rows that
+  have one. Every rank then holds the same ``pipe.parameter.grad``, so ``clip_grad_norm_``
+  computes the norm DDP would on every rank, and accumulation adds as ``.grad`` does.
 - **step**: no message. Every rank takes the same gradient at the same optimizer step; each owner
   applies the rows of its shard and ignores the others.
 
-Checkpoints are one commit for all shards (``Owner.checkpoint``): every owner writes its dirty
-rows, all agree that they did, then rank 0, which holds the table's writer lock, commits the
+Checkpoints are one commit for all shards (``ShardOwner.checkpoint``): every owner writes its
+dirty rows, all agree that they did, then rank 0, which holds the table's writer lock, commits the
 live arrays as one checkpoint (hard links: ``checkpoints.py``); a rank writing after that copies
 the chunk first, as a single owner does. A crash before the commit leaves the previous checkpoint.
+Loading a snapshot is the same order: every owner applies its queued steps and stops writing,
+all agree, then rank 0 restores every shard's files::
+
+    rank 0:   header | write rows | agree | commit (link, fsync, rename) | agree
+    rank k:   header | write rows | agree | (waits)                       | agree
 
 Every exchange starts with a header that every rank contributes to: what it is doing, its step,
 its count of loaded snapshots. Ranks that disagree (one reads a batch while another steps, one
