@@ -37,7 +37,7 @@ from .hf import ignore_in_ddp, offloaded_embeddings
 from .optim import RowOptimizer
 from .owner import Owner
 from .policy import DEFAULT_WINDOW, make_policy
-from .shard_owner import ShardOwner
+from .shard_owner import ShardOwner, open_shard
 from .shards import DEFAULT_TIMEOUT, Shards
 from .shards import process_group as group_of
 from .table import Table
@@ -115,7 +115,9 @@ class EmbeddingPipe:
         if shards is not None:
             # what must be the same on every rank, or the ranks would train different tables
             same = (consistency, max_staleness, padding_idx, check_finite)
-            table, owns_table = _open_shard(table, shards, optimizer, keep, same)
+            table, owns_table = open_shard(
+                table, shards, optimizer, keep, same, _describe_creator()
+            )
         else:
             owns_table = not isinstance(table, Table)
             if owns_table:
@@ -133,7 +135,7 @@ class EmbeddingPipe:
                 table._claim(_describe_creator())
             try:
                 if optimizer is not None and shards is None:
-                    _prepare_table(table, optimizer, keep)
+                    table._prepare(optimizer, keep)
                 cache_rows = min(int(cache_rows), table.num_rows)
                 if shards is not None:
                     lo, hi = shards.owned
@@ -405,87 +407,6 @@ def _check_one_process() -> None:
             "of the table of its own. Call torch.distributed.init_process_group() before making "
             "the EmbeddingPipe (it is then sharded over the ranks), or run one process"
         )
-
-
-def _open_shard(
-    table: Table | str | os.PathLike[str],
-    shards: Shards,
-    optimizer: RowOptimizer,
-    keep: int | None,
-    same: tuple[Any, ...],
-) -> tuple[Table, bool]:
-    """This rank's handle on a sharded table: rank 0 opens it to write (the writer lock, the
-    checkpoints) and prepares it, then the others open handles that write their shards."""
-    owns_table = not isinstance(table, Table)
-    opened: Table | None = None if owns_table else table
-    error: BaseException | None = None
-    if shards.leader:
-        try:
-            if opened is None:
-                opened = Table.open(table, "r+")
-            if opened.mode != "r+":
-                raise ValueError(
-                    f"the pipe updates {opened.path}: open it with Table.open(path, mode='r+') "
-                    "on rank 0 (or pass the path, on every rank)"
-                )
-            opened._claim(f"{_describe_creator()}, rank 0 of a sharded pipe")
-            shards.plan(opened.num_rows, opened.chunk_rows)
-            _prepare_table(opened, optimizer, keep, shards.layout())
-        except BaseException as e:
-            error = e
-    try:
-        path = shards.agree(error, "opening the table", opened.path if shards.leader else None)
-        if not shards.leader:
-            if opened is not None:
-                opened.close()  # a handle of its own: rank 0 holds the lock
-            opened, owns_table = Table._shard_writer(path), True
-            opened._owner = f"{_describe_creator()}, {shards.describe()}"
-        shards.plan(opened.num_rows, opened.chunk_rows)
-        facts = (opened.path, opened.num_rows, opened.dim, opened.dtype.name, optimizer.config())
-        facts += same
-        mine = facts if shards.leader else None
-        expected = shards.agree(None, "checking the pipes agree", mine)
-        if facts != expected:
-            error = ValueError(
-                f"{shards.describe()} made its pipe on {facts}, rank 0 on {expected} "
-                "(path, rows, dim, dtype, optimizer, consistency, max_staleness, padding_idx, "
-                "check_finite): make the same pipe on every rank"
-            )
-        shards.agree(error, "checking the pipes agree")
-        idle = np.flatnonzero(np.diff(shards.bounds) == 0)
-        if shards.leader and len(idle):
-            warnings.warn(
-                f"{len(idle)} of the {shards.size} ranks own no rows of {opened.path}: its "
-                f"{opened.num_rows:,} rows are {-(-opened.num_rows // opened.chunk_rows)} chunk(s) "
-                f"of {opened.chunk_rows:,} and a shard is whole chunks; make the table with "
-                "smaller chunks (Table.create or embedpipe.hf.offload with chunk_rows=...) to "
-                "spread its rows over every rank",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-    except BaseException:
-        if opened is not None:
-            opened._release_claim()
-            if owns_table or not shards.leader:
-                opened.close()
-        shards.close()
-        raise
-    return opened, owns_table
-
-
-def _prepare_table(
-    table: Table, optimizer: RowOptimizer, keep: int | None, shards: dict | None = None
-) -> None:
-    """The optimizer's state arrays, its configuration, ``keep`` and how the table is sharded
-    (None: by one process) in the table's metadata."""
-    for name, fill in optimizer.state_init().items():
-        if name not in table.state_names:
-            table._add_state(name, fill)
-    values: dict[str, Any] = {"optimizer": optimizer.config(), "shards": shards}
-    if keep is not None:
-        values["keep"] = keep
-    if any(table.metadata.get(k) != v for k, v in values.items()):
-        table._update_metadata(**values)
 
 
 def _check_compatible(table: Table, source: Table) -> None:

@@ -15,6 +15,7 @@ state and writeback), plus the places where the ranks meet, in the collectives o
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ import torch
 from .batch import EmbeddedBatch
 from .checkpoints import Checkpoint
 from .errors import DistributedNotSupportedError, WritebackError
+from .optim import RowOptimizer
 from .owner import Owner, _exists
 from .shards import CLOSE, COMMIT, FLUSH, LOAD, Shards
 from .table import Table
@@ -193,3 +195,72 @@ class ShardOwner(Owner):
             self.table.close()
         self.shards.close()
         return error
+
+
+def open_shard(
+    table: Table | str | os.PathLike[str],
+    shards: Shards,
+    optimizer: RowOptimizer,
+    keep: int | None,
+    same: tuple[Any, ...],
+    creator: str,
+) -> tuple[Table, bool]:
+    """This rank's handle on a sharded table: rank 0 opens it to write (the writer lock, the
+    checkpoints) and prepares it, then the others open handles that write their shards; every
+    rank checks that they all made the same pipe (``same``: the options that change the
+    training). ``creator`` names the pipe's maker for a second writer's error."""
+    owns_table = not isinstance(table, Table)
+    opened: Table | None = None if owns_table else table
+    error: BaseException | None = None
+    if shards.leader:
+        try:
+            if opened is None:
+                opened = Table.open(table, "r+")
+            if opened.mode != "r+":
+                raise ValueError(
+                    f"the pipe updates {opened.path}: open it with Table.open(path, mode='r+') "
+                    "on rank 0 (or pass the path, on every rank)"
+                )
+            opened._claim(f"{creator}, rank 0 of a sharded pipe")
+            shards.plan(opened.num_rows, opened.chunk_rows)
+            opened._prepare(optimizer, keep, shards.layout())
+        except BaseException as e:
+            error = e
+    try:
+        path = shards.agree(error, "opening the table", opened.path if shards.leader else None)
+        if not shards.leader:
+            if opened is not None:
+                opened.close()  # a handle of its own: rank 0 holds the lock
+            opened, owns_table = Table._shard_writer(path), True
+            opened._owner = f"{creator}, {shards.describe()}"
+        shards.plan(opened.num_rows, opened.chunk_rows)
+        facts = (opened.path, opened.num_rows, opened.dim, opened.dtype.name, optimizer.config())
+        facts += same
+        mine = facts if shards.leader else None
+        expected = shards.agree(None, "checking the pipes agree", mine)
+        if facts != expected:
+            error = ValueError(
+                f"{shards.describe()} made its pipe on {facts}, rank 0 on {expected} "
+                "(path, rows, dim, dtype, optimizer, consistency, max_staleness, padding_idx, "
+                "check_finite): make the same pipe on every rank"
+            )
+        shards.agree(error, "checking the pipes agree")
+        idle = np.flatnonzero(np.diff(shards.bounds) == 0)
+        if shards.leader and len(idle):
+            warnings.warn(
+                f"{len(idle)} of the {shards.size} ranks own no rows of {opened.path}: its "
+                f"{opened.num_rows:,} rows are {-(-opened.num_rows // opened.chunk_rows)} chunk(s) "
+                f"of {opened.chunk_rows:,} and a shard is whole chunks; make the table with "
+                "smaller chunks (Table.create or embedpipe.hf.offload with chunk_rows=...) to "
+                "spread its rows over every rank",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    except BaseException:
+        if opened is not None:
+            opened._release_claim()
+            if owns_table or not shards.leader:
+                opened.close()
+        shards.close()
+        raise
+    return opened, owns_table

@@ -488,6 +488,19 @@ class Table:
         self._check_writable()
         self._update_metadata(**values)
 
+    def _prepare(self, optimizer: Any, keep: int | None, shards: dict | None = None) -> None:
+        """For a pipe that trains the table: ``optimizer``'s state arrays (a RowOptimizer), its
+        configuration, ``keep`` and how the table is sharded (None: by one process) in the
+        metadata."""
+        for name, fill in optimizer.state_init().items():
+            if name not in self.state_names:
+                self._add_state(name, fill)
+        values: dict[str, Any] = {"optimizer": optimizer.config(), "shards": shards}
+        if keep is not None:
+            values["keep"] = keep
+        if any(self.metadata.get(k) != v for k, v in values.items()):
+            self._update_metadata(**values)
+
     def _update_metadata(self, **values: Any) -> None:
         self._meta.update(values)
         checkpoints.write_file(
