@@ -58,12 +58,18 @@ def test_cold_reads_equal_zarr_and_the_serial_path(path, weight):
     reference = ZarrRows(rows.array)
     for seed in range(3):
         ids = random_ids(seed)
-        drop_page_cache(rows)
-        waited = rows.rows_waited
-        cold = rows.read(ids)
+        # posix_fadvise(DONTNEED) is advice: about one run in ten on this 6.18 kernel, it left
+        # every page of the files cached, and no row had to wait. Each read is checked; the
+        # disk must have been read (the second pass run) in one of three tries.
+        for _ in range(3):
+            drop_page_cache(rows)
+            waited = rows.rows_waited
+            cold = rows.read(ids)
+            np.testing.assert_array_equal(cold, weight[ids])
+            np.testing.assert_array_equal(cold, reference.read(ids))
+            if rows.rows_waited > waited:
+                break
         assert rows.rows_waited > waited  # the disk was read: the second pass ran
-        np.testing.assert_array_equal(cold, weight[ids])
-        np.testing.assert_array_equal(cold, reference.read(ids))
         np.testing.assert_array_equal(rows.read(ids), cold)  # warm
     serial = reader(path)
     serial._nowait = False  # every row read and waited for in turn (no RWF_NOWAIT)
