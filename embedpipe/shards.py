@@ -64,8 +64,11 @@ _DOING = {
     CLOSE: "closing the pipe",
     FLUSH: "flushing the pipe",
 }
-#: Seconds a rank waits for the others at an exchange before it raises.
-DEFAULT_TIMEOUT = 300.0
+#: Seconds a rank waits for the others at an exchange before it raises: torch's own default for
+#: a process group (30 minutes), since a rank may rightly be busy that long between two
+#: exchanges (rank 0 writing a large model's checkpoint while the others wait at their next
+#: batch). A rank that dies is seen at once, whatever this is.
+DEFAULT_TIMEOUT = 1800.0
 
 
 def process_group(group: Any = None) -> Any:
