@@ -13,9 +13,9 @@ offloaded table gets the same by holding its pending gradient in :attr:`TableGra
 The parameter sits in the model where the ``nn.Embedding`` was (``embedpipe.hf.offload``), so
 ``model.parameters()`` yields it in the embedding's place and a global norm sums it in the same
 order. The step is taken in torch's global optimizer step pre-hook, before the optimizer reads
-any ``.grad``: the gradient is taken off the parameter (``.grad = None``, so AdamW and friends
-skip it) and queued as one table step, with the learning rate of the parameter group that holds
-it. A ``step(closure)`` (Lightning) computes the gradient inside the step, after clipping: then
+any ``.grad``, when the optimizer holds the parameter (NOTE [ Which optimizer steps the table ]):
+the gradient is taken off the parameter (``.grad = None``, so AdamW and friends skip it) and
+queued as one table step, with the learning rate of the parameter group that holds it. A ``step(closure)`` (Lightning) computes the gradient inside the step, after clipping: then
 the step is taken when the closure returns.
 
 NOTE [ The table's learning rate ]
@@ -26,18 +26,29 @@ group that holds the parameter:
   makes): its ``lr`` is the table's, read at every step, so a scheduler sets it exactly as it
   sets the matching group of a torch ``Adagrad``;
 - a group shared with dense weights (``AdamW(model.parameters())``): the row optimizer's ``lr``
-  times the group's schedule factor, ``group["lr"] / group["initial_lr"]``. Schedulers built on
-  ``LRScheduler`` set ``initial_lr``; where none did (``ReduceLROnPlateau``, a hand-written
-  decay), the first step sets it to the group's ``lr`` then, so later changes scale the table;
-- in no optimizer (``pipe.step()``, or an optimizer without it): the row optimizer's ``lr``. A
-  step by an optimizer that does not hold the parameter warns once: its scheduler, a
-  ``GradScaler`` and its ``zero_grad`` cannot reach the table.
+  times the group's rate relative to the rate it was built with, ``group["lr"] / built``.
+  ``built`` is the group's ``initial_lr`` where a scheduler set one; otherwise the group's rate
+  when embedpipe first saw the optimizer: when the pipe was made, at the pipe's first batch, or
+  at the optimizer's first step, whichever came first. So a hand-written warmup (which sets the
+  rate inside the loop, after the batch is drawn), ``ReduceLROnPlateau`` and a rate changed by
+  hand scale the table as they scale the group. embedpipe writes nothing into the group;
+- in no optimizer: the row optimizer's ``lr``, stepped by ``pipe.step()``.
 
 Other hyperparameters of the group (AdamW's weight decay, betas, eps) do not apply to the table.
+
+NOTE [ Which optimizer steps the table ]
+Only an optimizer that holds ``pipe.parameter`` takes the table's gradient, when its ``step()``
+runs, in whatever order several optimizers step (two tables in two optimizers, an
+encoder-decoder, a frozen stage whose optimizer never steps). Any other optimizer's step leaves
+it pending. If the gradient is still pending at the next backward pass after such a step, the
+pipe warns once: no optimizer that holds it stepped (call ``pipe.step()``, or freeze the table
+with ``requires_grad_(False)``). An optimizer that holds the embedding weight ``offload``
+replaced (built before ``offload``) raises at its step: it can never reach the table.
 """
 
 from __future__ import annotations
 
+import gc
 import warnings
 import weakref
 from collections.abc import Callable
@@ -77,9 +88,14 @@ class TableGradient:
         self.on_step = on_step
         self.backwards = 0  # backward passes added since the last step
         self.steps = 0  # steps taken
-        self._home = False  # an optimizer that holds the parameter has stepped
-        self._homeless_step = False  # a step was taken by one that does not, before that
         self._warned = False
+        #: an optimizer that does not hold the parameter stepped while its gradient was pending
+        self._passed_over = False
+        self._warned_passed_over = False
+        #: per optimizer holding the parameter: each group's rate when first seen
+        self._built: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, float]] = (
+            weakref.WeakKeyDictionary()
+        )
         ref = weakref.ref(self)
 
         def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
@@ -88,6 +104,7 @@ class TableGradient:
 
         self._hook = register_optimizer_step_pre_hook(pre_step)
         self.clear()  # an adopted parameter may hold what an earlier pipe left
+        self.see_optimizers()  # optimizers built before the pipe: their rates as built
 
     # ----------------------------------------------------------------------------- backward
     @property
@@ -112,6 +129,17 @@ class TableGradient:
         row in one gets its value (``0 + x`` is ``x``)."""
         held = self.parameter.grad
         self.backwards += 1
+        if self._passed_over and self.pending and not self._warned_passed_over:
+            self._warned_passed_over = True
+            warnings.warn(
+                "an optimizer stepped that does not hold pipe.parameter, and none that holds it "
+                "did: the embedding table's gradient was not taken and keeps adding up. Build "
+                "the optimizer from model.parameters() after offload() (or add pipe.parameter "
+                "to it), call pipe.step() after your optimizer's step, or freeze the table with "
+                "pipe.parameter.requires_grad_(False)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         if not self.pending or held.shape[0] != len(self.ids):  # dropped by zero_grad: start anew
             self._hold(ids, grad)
         else:
@@ -148,6 +176,7 @@ class TableGradient:
 
     def clear(self) -> None:
         """Drop the pending gradient, as ``zero_grad()`` does."""
+        self._passed_over = False
         param = self.parameter
         param.grad = None
         param.data = param.data.new_empty(0, param.shape[1])
@@ -164,6 +193,7 @@ class TableGradient:
             return False
         ids, grad = self.ids, self.parameter.grad
         self.check(ids, grad)  # a refused step leaves the gradient pending, as .grad stays
+        self._passed_over = False
         self.clear()  # before it is queued: a signal in between loses it, never queues it twice
         self.on_step(ids, grad, lr)
         self.steps += 1
@@ -171,28 +201,22 @@ class TableGradient:
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
         """torch's global step pre-hook: ``args`` is ``(optimizer, *step args)``."""
-        group = next(
-            (g for g in optimizer.param_groups if any(p is self.parameter for p in g["params"])),
-            None,
-        )
-        if group is None and self._home:
-            return None  # the optimizer that holds the parameter takes the steps
-        if group is not None:
-            if isinstance(optimizer, torch.optim.LBFGS):
-                raise RuntimeError(
-                    "LBFGS cannot train an offloaded table: its line search re-evaluates the loss "
-                    "at trial points of every parameter; leave pipe.parameter out of it"
-                )
-            if self._homeless_step:
-                raise RuntimeError(
-                    "the embedding table stepped with an optimizer that does not hold its "
-                    f"parameter, before this {type(optimizer).__name__}, which does: step the "
-                    "optimizer that holds pipe.parameter first, or leave it out of the others"
-                )
-            self._home = True
+        found = _group_of(optimizer, self.parameter)
+        if found is None:
+            _refuse_stale(optimizer)
+            if self.pending:
+                self._passed_over = True  # warned about at the next backward if still pending
+            return None
+        index, group = found
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise RuntimeError(
+                "LBFGS cannot train an offloaded table: its line search re-evaluates the loss "
+                "at trial points of every parameter; leave pipe.parameter out of it"
+            )
+        self._see(optimizer, index, group)
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if closure is None:
-            self._step_for(group, optimizer)
+            self.step(self._group_lr(optimizer, index, group))
             return None
         calls = 0
 
@@ -205,36 +229,67 @@ class TableGradient:
                     "table takes one gradient per step (optimizers such as LBFGS are not supported)"
                 )
             out = closure()
-            self._step_for(group, optimizer)
+            self.step(self._group_lr(optimizer, index, group))
             return out
 
         if len(args) > 1:
             return (args[0], closure_then_step, *args[2:]), kwargs
         return args, {**kwargs, "closure": closure_then_step}
 
-    def _step_for(self, group: dict[str, Any] | None, optimizer: torch.optim.Optimizer) -> None:
-        if self.step(self._group_lr(group)) and group is None:
-            if not self._homeless_step:
-                warnings.warn(
-                    f"the embedding table stepped with a {type(optimizer).__name__} that does not "
-                    "hold pipe.parameter, at the row optimizer's own learning rate: that "
-                    "optimizer's scheduler, a GradScaler and its zero_grad() do not reach the "
-                    "table. Build the optimizer from model.parameters() after offload() (it then "
-                    "holds it), add pipe.parameter to it, or call pipe.step() yourself",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-            self._homeless_step = True
+    # ----------------------------------------------------------------------------- rates
+    def see_optimizers(self) -> None:
+        """Note the rate of every group that holds the parameter, in every optimizer alive, as
+        first seen (NOTE [ The table's learning rate ]): when the pipe is made and at its first
+        batch. One walk over the objects the garbage collector tracks (milliseconds)."""
+        for obj in gc.get_objects():
+            if issubclass(type(obj), torch.optim.Optimizer):  # not isinstance: no __class__ call
+                found = _group_of(obj, self.parameter)
+                if found is not None:
+                    self._see(obj, *found)
 
-    def _group_lr(self, group: dict[str, Any] | None) -> float | None:
-        """The table's learning rate for a step by the optimizer group ``group`` (see the NOTE)."""
-        if group is None:
-            return None
+    def _see(self, optimizer: torch.optim.Optimizer, index: int, group: dict[str, Any]) -> None:
+        self._built.setdefault(optimizer, {}).setdefault(index, float(group["lr"]))
+
+    def _group_lr(
+        self, optimizer: torch.optim.Optimizer, index: int, group: dict[str, Any]
+    ) -> float | None:
+        """The table's learning rate for a step by ``group`` (see the NOTE)."""
         lr = float(group["lr"])
         if len(group["params"]) == 1:
             return lr
-        initial = float(group.setdefault("initial_lr", group["lr"]))  # see the NOTE
-        return self.base_lr * (lr / initial) if initial else None
+        built = group.get("initial_lr")
+        if built is None:
+            built = self._built[optimizer][index]
+        return self.base_lr * (lr / float(built)) if built else None
 
     def close(self) -> None:
         self._hook.remove()
+
+
+#: The attribute ``offload`` sets on the embedding weight it replaces (the table's path).
+OFFLOADED = "_embedpipe_offloaded"
+
+
+def _group_of(
+    optimizer: torch.optim.Optimizer, parameter: nn.Parameter
+) -> tuple[int, dict[str, Any]] | None:
+    """The index and the group of ``optimizer`` that holds ``parameter``, if one does."""
+    for index, group in enumerate(optimizer.param_groups):
+        if any(p is parameter for p in group["params"]):
+            return index, group
+    return None
+
+
+def _refuse_stale(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer that holds a weight ``offload`` replaced was built before it: it steps a
+    stale V x D copy, keeps it alive, and can never reach the table."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            path = getattr(p, OFFLOADED, None)
+            if path is not None:
+                raise RuntimeError(
+                    f"this {type(optimizer).__name__} holds the embedding weight that offload() "
+                    f"moved to {path}: it was built before offload(), steps a stale copy of the "
+                    "table and can never train it. Build the optimizer after offload(), from "
+                    "model.parameters()"
+                )

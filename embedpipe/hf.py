@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import EmbedpipeError, InvalidRowsError
+from .gradient import OFFLOADED
 from .shards import process_group
 from .table import Table
 
@@ -201,6 +202,7 @@ def offload(
     # the gradient parameter a pipe on this table will use: an optimizer built now holds it
     placeholder.attach(nn.Parameter(torch.empty(0, weight.shape[1], device=weight.device)))
     model.set_input_embeddings(placeholder)
+    setattr(weight, OFFLOADED, table.path)  # an optimizer built before holds it: raises at step
     ignore_in_ddp(model, placeholder)
     _OFFLOADED.setdefault(os.path.realpath(table.path), []).append(weakref.ref(placeholder))
     return table

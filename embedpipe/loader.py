@@ -80,6 +80,12 @@ class PipeSource:
         stream = self.owner.stream
         if stream is not None and stream.source is self:  # one of the batches it foresaw
             stream.claim(item.unique_ids)
+            if stream.blind:
+                self.owner.look_blind(
+                    "the ids of most of the last batches differed from those a second read of "
+                    "the dataset gave for the same indices (a dataset that draws at random), or "
+                    "reading them ahead could not keep up with the loader"
+                )
         return self.owner.hand_off(item, rows, self.pin or (pin and torch.cuda.is_available()))
 
 

@@ -1,17 +1,20 @@
-"""Reading the ids of the batches a loader will hand off next, for the lookahead policy.
+"""Foreseeing the ids of the batches a loader will hand off next, for the lookahead policy.
 
-A map-style dataset's order is its sampler's: :class:`Ahead` stands between the DataLoader and
-the sampler's iterator, so a reader thread can draw batches of indices before the DataLoader
-dispatches them, and the DataLoader then gets those same batches, in the same order. The reader
-(:class:`Stream`) fetches each batch's samples from the dataset, keeps their ids (nothing else)
-and hands the batch's unique ids to the policy's window (``policy.py``, NOTE [ The lookahead
-window ]), at most ``window`` batches ahead of the last batch the DataLoader dispatched.
+A map-style dataset's order is its sampler's: :class:`Foresight` stands in the loader's
+``batch_sampler`` place (the same batches, in the same order) and tells the :class:`Stream`
+which batch the DataLoader dispatches to a worker, as it draws it. The ids of the batches after
+it are read by a child forked at the epoch's first draw, from copies of the sampler's iterator
+and of the dataset (``foresee.py``, NOTE [ Foresight without side effects ]): the training
+process never calls the dataset nor draws the sampler before the DataLoader does, and no random
+generator is drawn that would not be without lookahead. The stream hands each foreseen batch's
+unique ids to the policy's window (``policy.py``, NOTE [ The lookahead window ]), at most
+``window`` batches ahead of the last batch dispatched.
 
-What it costs: each sample is fetched twice, once here for its ids and once by a worker, so a
-dataset whose ``__getitem__`` is expensive (tokenizing on the fly) pays for it; pass
-``EmbeddingPipe(..., lookahead=0)`` there. Only the ids are kept: memory is ``window`` batches of
-unique ids. The policy only decides what is cached: a wrong guess (a collate that changes ids, a
-sample that fails) costs rows read, never a wrong row, and a reader that fails just stops.
+Foresight may be wrong (a dataset or sampler that draws at random): a claimed batch is matched
+to the batches in flight by its ids, and each claim releases at least one of them, so wrong
+foresight pins no row for longer than its batch is in flight and grows no list. With
+``policy="auto"``, when most of the last :data:`JUDGED_BATCHES` claims matched nothing foreseen,
+the pipe stops looking ahead (LFU from then on) and says so once.
 
 One stream owns the window at a time: the first loader iterated. Another loader iterated while it
 runs (an evaluation loop in the middle of an epoch) has no lookahead; its batches are handed off
@@ -46,6 +49,7 @@ import numpy as np
 from torch.utils.data import BatchSampler
 
 from .cache import Copy, from_copies
+from .foresee import IdsReader
 from .shm import SharedBlock
 from .table import WEIGHT, Table
 
@@ -55,22 +59,21 @@ if TYPE_CHECKING:
 
 #: Hand-offs over which the reader must have read at least half the batches' misses in time.
 KEEP_UP_BATCHES = 16
+#: Claims over which ``auto`` judges its foresight: it stops if most matched nothing foreseen.
+JUDGED_BATCHES = 16
 
 
 class Ahead:
-    """The sampler's iterator, drawn from by the DataLoader and, ahead of it, by the reader.
+    """The sampler's iterator as the DataLoader draws it.
 
-    ``on_first()`` runs once the DataLoader has drawn the first batch (the reader starts only
+    ``on_first()`` runs once the DataLoader has drawn the first batch (the stream starts only
     then: see :class:`Foresight`); ``on_draw(number)`` runs before the DataLoader gets batch
     ``number`` (to dispatch it to a worker): the stream moves its window past that batch there.
     """
 
-    def __init__(self, inner: Iterator[Any], taken: int) -> None:
+    def __init__(self, inner: Iterator[Any]) -> None:
         self.inner = inner
-        self.taken = taken  # batches drawn from ``inner`` so far (numbers of the stream)
-        self.drawn = taken  # batches the DataLoader has drawn
-        self.buffer: deque[Any] = deque()  # drawn by the reader, not yet by the DataLoader
-        self.lock = threading.Lock()
+        self.drawn = 0  # batches the DataLoader has drawn
         self.on_first: Callable[[], None] | None = None
         self.on_draw: Callable[[int], None] | None = None
         self.exhausted = False  # the DataLoader has drawn every batch
@@ -79,18 +82,13 @@ class Ahead:
         return self
 
     def __next__(self) -> Any:
-        with self.lock:
-            if self.buffer:
-                item = self.buffer.popleft()
-            else:
-                try:
-                    item = next(self.inner)
-                except StopIteration:
-                    self.exhausted = True
-                    raise
-                self.taken += 1
-            number = self.drawn
-            self.drawn += 1
+        try:
+            item = next(self.inner)
+        except StopIteration:
+            self.exhausted = True
+            raise
+        number = self.drawn
+        self.drawn += 1
         if self.on_draw is not None:
             self.on_draw(number)
         if self.on_first is not None:
@@ -98,19 +96,10 @@ class Ahead:
             first()
         return item
 
-    def peek(self) -> tuple[int, Any]:
-        """The next batch the DataLoader will draw, and its number; StopIteration at the end."""
-        with self.lock:
-            item = next(self.inner)
-            self.taken += 1
-            self.buffer.append(item)
-            return self.taken - 1, item
-
 
 class Foresight(BatchSampler):
     """The loader's batch sampler, the same batches in the same order, iterated through
-    :class:`Ahead` with a :class:`Stream` reading ahead when the window is free (from the first
-    batch the DataLoader draws on).
+    :class:`Ahead` with a :class:`Stream` foreseeing from the first batch the DataLoader draws.
 
     Being the loader's ``batch_sampler`` (a ``BatchSampler``, whose ``sampler`` a framework may
     replace), it also serves the loaders that frameworks build from it: Accelerate's
@@ -133,17 +122,15 @@ class Foresight(BatchSampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         self.stop()  # a new epoch of this loader: its last one is over
-        order = Ahead(super().__iter__(), 0)
+        order = Ahead(super().__iter__())
         order.on_first = lambda: self._begin(order)
         return order
 
     def _begin(self, order: Ahead) -> None:
-        """The DataLoader drew its first batch: the reader may go on from there. Not sooner: a
+        """The DataLoader drew its first batch: foresight may go on from there. Not sooner: a
         sampler draws its order when first asked (``RandomSampler`` from torch's global
-        generator, accelerate's ``SeedableRandomSampler`` from its epoch, which it counts up
-        when exhausted), and torch makes an iterator it never draws from before the one it
-        uses; so the sampler sees the calls it would without lookahead, in the same order, only
-        the later ones sooner."""
+        generator, accelerate's ``SeedableRandomSampler`` from its epoch), so the fork's copy of
+        the iterator then holds the order this epoch will really have."""
         self._stream = self._owner.start_stream(
             self._dataset, self._ids_key, order, self._source, self._defer
         )
@@ -155,8 +142,9 @@ class Foresight(BatchSampler):
 
 
 class Stream:
-    """One epoch of a loader, foreseen: a reader thread feeds the policy's window and reads the
-    misses of the batches in flight (NOTE [ Misses read by the owner ])."""
+    """One epoch of a loader, foreseen: a forked child reads the ids of the batches ahead
+    (``foresee.IdsReader``), a receiver thread feeds them to the policy's window, and a reader
+    thread reads the misses of the batches in flight (NOTE [ Misses read by the owner ])."""
 
     def __init__(
         self,
@@ -177,8 +165,9 @@ class Stream:
         self.num_rows = owner.table.num_rows
         #: the batches in the policy's window: (number, ids)
         self.foreseen: deque[tuple[int, np.ndarray]] = deque()
-        self.in_flight_ids: deque[tuple[int, np.ndarray]] = deque()  # dispatched, not claimed
-        self.claimed = order.drawn - 1
+        #: foreseen batches dispatched and not claimed: (number, ids); each claim pops one or more
+        self.in_flight_ids: deque[tuple[int, np.ndarray]] = deque()
+        self.claimed = -1  # the last batch handed off (it starts at the epoch's first draw)
         #: rows read for dispatched batches whose workers left their misses to the owner:
         #: number -> (ids, rows, clock tick when read); ``ready``: the claimed batch's
         self.buffers: dict[int, Copy] = {}
@@ -187,38 +176,55 @@ class Stream:
         self.dispatched = order.drawn - 1  # the last batch the DataLoader drew (and dispatched)
         self.filled = order.drawn - 1  # the last dispatched batch whose misses were read
         self.filling: int | None = None  # the dispatched batch whose misses are being read
+        self.first_received: int | None = None  # the number of the child's first batch
+        self.last_received = -1  # ... and of its latest
+        self.ended = False  # the child sent its last batch (or failed)
+        #: per claim: it matched a foreseen batch (None: nothing was foreseen yet)
+        self.matched: deque[bool] = deque(maxlen=JUDGED_BATCHES)
+        self.blind = False  # ``auto`` gave up: foresight kept missing
         self.defer = defer
-        if defer is not None:  # the workers leave their misses to the owner from now on
-            defer["misses"][0] = 1
         #: per hand-off: its misses were read, when it began, how long it waited for the reader
         self._ready: deque[tuple[bool, float, float]] = deque(maxlen=KEEP_UP_BATCHES)
         self.handed_back = False  # the reader could not keep up: the workers read misses again
-        order.on_draw = self._drawn
         self._table: Any = None
         self.wake = threading.Condition()
         self.stopped = False
-        self.policy.restart()
+        # the fork comes first, before this stream's threads exist
+        self.ids = IdsReader(order.inner, self._ids, first=order.drawn)
+        self.ids.credit(self.window)
+        if defer is not None:  # the workers leave their misses to the owner from now on
+            defer["misses"][0] = 1
+        order.on_draw = self._drawn
+        with owner.lock:
+            self.policy.restart()
+        self.receiver = threading.Thread(
+            target=self._receive, name="embedpipe-foresight", daemon=True
+        )
         self.thread = threading.Thread(target=self._run, name="embedpipe-lookahead", daemon=True)
+        self.receiver.start()
         self.thread.start()
 
     def _drawn(self, number: int) -> None:
         """The DataLoader dispatches batch ``number`` to a worker, whose lookup is that batch's
         use of its rows: the window moves past it, and its rows are held until it is claimed."""
-        with self.wake:
-            self.dispatched = number
-            self.wake.notify_all()  # the reader may go further ahead
+        self.ids.credit(1)  # the child may read one batch further
         with self.owner.lock:
+            self.dispatched = number
             while self.foreseen and self.foreseen[0][0] <= number:
                 passed, ids = self.foreseen.popleft()
                 self.policy.advance()
                 self.policy.adjust_held(ids, 1)  # until its lookup is done
                 self.in_flight_ids.append((passed, ids))
+        with self.wake:
+            self.wake.notify_all()  # a batch to fill, maybe
 
     def claim(self, ids: np.ndarray) -> None:
         """A batch of this stream's loader is being handed off, with unique ``ids``: find it among
-        the batches in flight (the first whose foreseen ids it mostly shares: a collate may add
-        or change a few), release it and every batch dispatched before it (one a framework
-        skipped, say), and make its misses read ahead :attr:`ready` for the hand-off."""
+        the batches in flight (the first whose foreseen ids it mostly shares: a collate or a
+        random sample may change a few), release it and every batch dispatched before it (one a
+        framework skipped, say), and make its misses read ahead :attr:`ready` for the hand-off.
+        A batch that matches none is taken to be the next in the DataLoader's order: foresight
+        that was wrong holds nothing longer than its batch is in flight."""
         began = time.monotonic()
         with self.wake:  # a read of its misses under way finishes first
             while self.filling is not None and not self.stopped:
@@ -228,26 +234,35 @@ class Stream:
             probe = ids[:: max(1, len(ids) // 64)]  # a sample: the test is about 64 ids
             found = next(
                 (
-                    n
-                    for n, (_, had) in enumerate(self.in_flight_ids)
+                    number
+                    for number, had in self.in_flight_ids
                     if np.isin(probe, had, assume_unique=True).mean() >= 0.5
                 ),
                 None,
             )
-            if found is None:  # not foreseen (the reader is behind), or not this loader's order
-                self.ready = None
-                self._keep_up(False, began, waited)
-                return
-            for _ in range(found + 1):
-                number, had = self.in_flight_ids.popleft()
-                self.policy.adjust_held(had, -1)
+            # the batch claimed: the one found, else the next in the DataLoader's order
+            number = found if found is not None else self.claimed + 1
+            if self.first_received is not None and number >= self.first_received:
+                self.matched.append(found is not None)  # else dispatched before foresight began
+            while self.in_flight_ids and self.in_flight_ids[0][0] <= number:
+                self.policy.adjust_held(self.in_flight_ids.popleft()[1], -1)
+            self.ready = self.buffers.pop(number, None) if found is not None else None
             for done in [n for n in self.buffers if n < number]:
                 del self.buffers[done]  # batches that were never handed off
-            self.ready = self.buffers.pop(number, None)
-            self.claimed = number
+            self.claimed = max(self.claimed, number)
             self._keep_up(self.ready is not None, began, waited)
+            self.blind = self._gives_up()
         with self.wake:
             self.wake.notify_all()
+
+    def _gives_up(self) -> bool:
+        """``auto`` and most of the last :data:`JUDGED_BATCHES` claims matched nothing foreseen
+        (the dataset's ids differ at each read, or the child cannot keep ahead)."""
+        return (
+            getattr(self.policy, "gives_up", False)
+            and len(self.matched) == self.matched.maxlen
+            and sum(self.matched) < len(self.matched) / 2
+        )
 
     def _keep_up(self, ready: bool, began: float, waited: float) -> None:
         """Hand the misses back to the workers if the reader does not keep up with the loop:
@@ -275,14 +290,22 @@ class Stream:
         return from_copies([ready] if ready else [], ids, self.owner.cache.last_updated, dim, dtype)
 
     @property
+    def caught_up(self) -> bool:
+        """The child has sent every batch the window lets it read (benchmarks and tests wait
+        for this, so that rows read do not depend on how the machine schedules the child)."""
+        return self.ended or self.last_received >= self.dispatched + self.window
+
+    @property
     def finished(self) -> bool:
         """Stopped, or every batch drawn and claimed (a framework's loader never says it is
         done: the next epoch of any loader may take the window then)."""
         return self.stopped or (self.order.exhausted and not self.in_flight_ids)
 
     def stop(self) -> None:
+        """End the child and the threads, and forget the window (any thread but the stream's)."""
         if self.defer is not None:
             self.defer["misses"][0] = 0
+        self.ids.close()  # the receiver sees the end
         with self.wake:
             self.stopped = True
             self.wake.notify_all()
@@ -292,54 +315,53 @@ class Stream:
             self.buffers.clear()
             while self.in_flight_ids:
                 self.policy.adjust_held(self.in_flight_ids.popleft()[1], -1)
+        for thread in (self.receiver, self.thread):
+            if thread is not threading.current_thread():
+                thread.join(timeout=10)
+        if not self.receiver.is_alive():
+            self.ids.close_receiving()
 
-    # ------------------------------------------------------------------ the reader thread
-    def _run(self) -> None:
-        peeked: tuple[int, Any] | None = None
+    # ------------------------------------------------------------------ the threads
+    def _receive(self) -> None:
+        """The receiver thread: the child's foreseen batches into the policy's window."""
         while True:
-            if peeked is None:
-                try:
-                    peeked = self.order.peek()
-                except StopIteration:
-                    peeked = (-1, None)  # the end: fill what is left
-            with self.wake:
-                while not self.stopped and not self._due(peeked[0]):
-                    self.wake.wait()
-                if self.stopped:
-                    return
-            fill = self._next_fill()
-            try:
-                if fill is not None:
-                    self._fill(*fill)
-                    continue
-                number, indices = peeked
-                peeked = None
-                if number <= self.dispatched:
-                    continue  # the DataLoader got there first
-                ids = self._ids(indices)
-            except Exception:  # the worker reports a bad sample, loudly; here it just stops
+            got = self.ids.receive()
+            if got is None:
+                self.ended = True
                 return
+            number, ids = got
             with self.owner.lock:
                 if self.stopped:
                     return
-                if number > self.dispatched:
+                if self.first_received is None:
+                    self.first_received = number
+                self.last_received = number
+                if number > self.dispatched:  # else the DataLoader got there first
                     self.policy.foresee(ids)
                     self.foreseen.append((number, ids))
 
-    def _due(self, number: int) -> bool:
-        """Work to do: a batch in flight to fill, or the peeked batch ``number`` within the window."""
-        if self._next_fill() is not None:
-            return True
-        return 0 <= number <= self.dispatched + self.window
+    def _run(self) -> None:
+        """The reader thread: reads the misses of the batches in flight."""
+        while True:
+            with self.wake:
+                while not self.stopped and (fill := self._next_fill()) is None:
+                    self.wake.wait()
+                if self.stopped:
+                    return
+            try:
+                self._fill(*fill)
+            except Exception:  # the worker or the hand-off reads them then; this just stops
+                return
 
     def _next_fill(self) -> tuple[int, np.ndarray] | None:
         """The first dispatched, unclaimed batch whose misses its worker leaves to the owner and
         that are not read yet."""
         if self.defer is None or self.handed_back:
             return None  # (batches dispatched before a hand-back: their hand-offs read them)
-        for number, ids in self.in_flight_ids:  # a few batches: the ones in flight
-            if number > max(self.filled, self.claimed):
-                return number, ids
+        with self.owner.lock:
+            for number, ids in self.in_flight_ids:  # a few batches: the ones in flight
+                if number > max(self.filled, self.claimed):
+                    return number, ids
         return None
 
     def _fill(self, number: int, ids: np.ndarray) -> None:

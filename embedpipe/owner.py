@@ -37,6 +37,7 @@ from .batch import EmbeddedBatch
 from .cache import RowCache, SharedRows, Update
 from .checkpoints import Checkpoint
 from .errors import NonFiniteGradientError, TableExistsError, TableWriteError, WritebackError
+from .foresee import can_fork
 from .gradient import TableGradient
 from .lookahead import Ahead, Stream
 from .optim import RowOptimizer
@@ -113,6 +114,7 @@ class Owner:
         #: Not when the cache holds the whole table: nothing to choose then.
         self.looks_ahead = isinstance(policy, Lookahead) and 0 < policy.cache_rows < table.num_rows
         self.stream: Stream | None = None
+        self.blind = False  # foresight kept missing: no more streams (``look_blind``)
 
     # ------------------------------------------------------------------------- training loop
     @property
@@ -141,6 +143,8 @@ class Owner:
         requires, re-reads the rows that changed since the lookup began, admits the misses.
         """
         self.check_open()
+        if self.counts["batches"] == 0 and self.gradient is not None:
+            self.gradient.see_optimizers()  # before a hand-written warmup changes their rates
         ids = item.unique_ids
         self._wait_for_steps()
         step = self.applied_step  # the cache holds at least these steps' updates from here on
@@ -231,22 +235,42 @@ class Owner:
         self, dataset: Any, ids_key: str, order: Ahead, source: Any, defer: SharedBlock | None
     ) -> Stream | None:
         """A loader's epoch whose order is known: it feeds the lookahead policy's window, unless
-        another loader's epoch does (then None)."""
-        if self.closed:
+        another loader's epoch does, or foresight is off (then None)."""
+        if self.closed or self.blind:
+            return None
+        if not can_fork():
+            self.look_blind("this platform has no fork() to read the batches ahead with")
             return None
         with self.lock:
             if self.stream is not None and not self.stream.finished:
                 return None
         if self.stream is not None:
             self.end_stream(self.stream)
+        stream = Stream(self, dataset, ids_key, order, source, defer)  # forks: not under the lock
         with self.lock:
-            self.stream = Stream(self, dataset, ids_key, order, source, defer)
-        return self.stream
+            self.stream = stream
+        return stream
 
     def end_stream(self, stream: Stream) -> None:
         stream.stop()
         if self.stream is stream:
             self.stream = None
+
+    def look_blind(self, why: str) -> None:
+        """Stop looking ahead for the rest of this pipe (the policy is LFU from here on), and
+        say why once."""
+        if self.blind:
+            return
+        self.blind = True
+        if self.stream is not None:
+            self.end_stream(self.stream)
+        warnings.warn(
+            f"embedpipe's lookahead policy stopped looking ahead: {why}; the cache runs as LFU "
+            "from here on (training is unchanged; only rows read from disk can grow). Pass "
+            "EmbeddingPipe(..., policy='lfu') to choose that from the start",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     @property
     def behind(self) -> int:

@@ -59,11 +59,13 @@ class EmbeddingPipe:
         the workers' ring (see ``loader``).
     policy:
         ``"lru"``, ``"lfu"``, ``"lookahead"`` or ``"auto"`` (the best measured policy: lookahead,
-        see ``embedpipe.policy``).
+        see ``embedpipe.policy``; ``auto`` falls back to LFU when its foresight keeps missing).
     lookahead:
         Batches the lookahead policy sees ahead (default 64): a loader over a map-style dataset
-        reads the ids of its next batches from the dataset in a background thread, fetching each
-        sample twice. 0 turns it off (the policy is then LFU).
+        reads the ids of its next batches in a child forked at each epoch's first batch, from
+        copies of the sampler and the dataset (each sample fetched twice, once there; nothing
+        the program draws or sees changes: ``embedpipe/foresee.py``). 0 turns it off (the
+        policy is then LFU).
     optimizer:
         ``embedpipe.optim.SGD``, ``Adagrad`` or ``Adam``; ``None`` keeps the table frozen.
     consistency, max_staleness:

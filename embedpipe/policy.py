@@ -198,6 +198,8 @@ class Lookahead(LFU):
     def __init__(self, cache_rows: int, num_rows: int, window: int = 64) -> None:
         super().__init__(cache_rows, num_rows)
         self.window = window
+        #: Stop looking ahead when foresight keeps missing (``auto``; ``lookahead.Stream``).
+        self.gives_up = False
         #: A hand-off admits its missed rows over rows no foreseen batch uses (set while training).
         self.training = False
         self.next_use = np.full(num_rows, NEVER, dtype=np.int64)  # soonest foreseen batch
@@ -311,4 +313,6 @@ def make_policy(name: str, cache_rows: int, num_rows: int, window: int = DEFAULT
         return LRU(cache_rows, num_rows)
     if name == "lfu" or window == 0:
         return LFU(cache_rows, num_rows)
-    return Lookahead(cache_rows, num_rows, window)
+    policy = Lookahead(cache_rows, num_rows, window)
+    policy.gives_up = name == "auto"
+    return policy

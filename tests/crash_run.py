@@ -115,8 +115,9 @@ def train(path: str, every: int, resume: bool, die_at: str | None) -> None:
             loader = pipe.loader(data, batch_size=BATCH, sampler=order(epoch)[skip:], num_workers=2)
             for batch in loader:
                 loss_of(batch["inputs_embeds"], dense).backward()
-                dense_opt.step()  # any torch optimizer's step also takes the table's step
+                dense_opt.step()
                 dense_opt.zero_grad()
+                pipe.step()  # the table's step (dense_opt does not hold it)
                 step += 1
                 print("step", step, flush=True)
                 if step % every == 0:

@@ -104,8 +104,7 @@ def train_offloaded(
     **options,
 ):
     """The same training with the table in ``path`` behind an EmbeddingPipe. The table steps
-    when the dense optimizer does (every ``accumulate`` batches), though that optimizer does not
-    hold its parameter (``gradient.py``: any optimizer's step takes it then).
+    by ``pipe.step()`` when the dense optimizer does (every ``accumulate`` batches).
 
     ``options`` go to the loader (DataLoader keywords) or the pipe (``consistency``...).
     """
@@ -135,6 +134,7 @@ def train_offloaded(
             if (i + 1) % accumulate == 0:
                 dense.step()
                 dense.zero_grad()
+                pipe.step()  # the dense optimizer does not hold the table (gradient.py)
     stats = pipe.stats()  # after close: every step applied
     table = embedpipe.Table.open(path)
     return table.to_tensor(), model, stats, table

@@ -30,6 +30,7 @@ TINY = [
     "--model-seq-len", "8",
     "--model-batches", "2",
     "--model-repeats", "1",
+    "--handoff-batches", "40",
 ]  # fmt: skip
 #: The cold section's options at its smallest, where this checkout has the section.
 COLD = [
@@ -44,7 +45,15 @@ COLD = [
     "--cold-repeats",
     "1",
 ]
-GOALS = ("rows read", "(d) frozen", "(d) train", "(e) train", "cold disk", "peak memory")
+GOALS = (
+    "rows read",
+    "(d) frozen",
+    "(d) train",
+    "(e) train",
+    "cold disk",
+    "peak memory",
+    "hand-off with wrong foresight",
+)
 
 
 @pytest.fixture
@@ -80,12 +89,14 @@ def test_every_section_and_target(tmp_path, capsys, words):
     names = [r["name"] for r in result["sections"]["throughput"]["rows"]]
     assert sum(n.startswith("(a)") for n in names) == 4  # frozen and training, 0 and 2 workers
     assert text.index("### Targets") < text.index("### Rows read")
-    for heading in ("### Throughput", "### Real model", "### Memory", "Total time"):
+    handoff = result["sections"]["handoff"]
+    assert all(handoff[p]["first_ms"] > 0 for p in ("lfu", "lookahead", "auto"))
+    for heading in ("### Throughput", "### Real model", "### Memory", "### Hand-off", "Total time"):
         assert heading in text
 
 
 def test_skipped_sections_are_not_measured(tmp_path, capsys):
-    result, text = run(tmp_path, capsys, "--skip", "rows", "throughput", "model", "cold")
+    result, text = run(tmp_path, capsys, "--skip", "rows", "handoff", "throughput", "model", "cold")
     assert set(result["sections"]) == {"memory"}
     assert all(t["measured"] is None and t["met"] is None for t in result["targets"])
     assert "not measured" in text and "### Rows read" not in text
@@ -94,7 +105,7 @@ def test_skipped_sections_are_not_measured(tmp_path, capsys):
 #: The distributed section at its smallest: one launch of 1 rank and one of 2 (~30 s on 2 cores).
 DIST = [
     "--distributed",
-    "--skip", "rows", "throughput", "model", "memory", "cold",
+    "--skip", "rows", "handoff", "throughput", "model", "memory", "cold",
     "--dist-ranks", "1", "2",
     "--dist-batches", "2",
     "--dist-warmup", "1",

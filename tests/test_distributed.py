@@ -210,14 +210,17 @@ def test_lightning_and_accelerate_ddp_train_the_table_they_train_with_nn_embeddi
 ):
     """Lightning's own DDP (strategy ddp, PipeCallback), and an Accelerate loop, both with
     clipping, accumulation 2 and warmup. Accumulation: equal to float rounding, as with
-    Trainer (measured: 5.8e-11 and 4.7e-10; dense weights bit for bit); resumed from a
-    checkpoint (Lightning's first epoch, Accelerate's save_state after 2 batches): bit for bit."""
+    Trainer (measured: 5.8e-11 and 4.7e-10); resumed from a checkpoint (Lightning's first
+    epoch, Accelerate's save_state after 2 batches): bit for bit. The dense weights are not
+    asserted bit for bit: the table's gradient is equal to rounding only (DDP averages once a
+    step, the pipe once a backward pass), so the global norm that clipping divides every dense
+    gradient by is too (measured: bit for bit on AMD EPYC, up to 3.7e-9 on Intel Xeon)."""
     result = torch.load(framework_runs / framework / "result.pt")
     got = result["offloaded" if framework == "lightning" else "whole"]
     dense = result["offloaded_dense" if framework == "lightning" else "whole_dense"]
     torch.testing.assert_close(got, result["reference"], rtol=0, atol=1e-7)
     for name, value in result["reference_dense"].items():
-        assert torch.equal(value, dense[name]), name
+        torch.testing.assert_close(dense[name], value, rtol=0, atol=1e-7, msg=name)
     moved = (result["reference"] - bert(dropout=0.0).get_input_embeddings().weight).abs()
     assert float(moved.max()) > 1e-4  # the table trained (1,000 x the tolerance)
     assert torch.equal(result["resumed"], got)

@@ -86,9 +86,9 @@ def test_a_real_loader_feeds_the_window_and_reads_the_optimum(tmp_path, num_work
         loader = pipe.loader(data, batch_size=8, num_workers=num_workers)
         first = True
         for batch in loader:
-            if first:  # let the reader fill the window: rows read do not depend on timing
+            if first:  # let the child fill the window: rows read do not depend on timing
                 deadline = time.monotonic() + 10
-                while pipe._owner.cache.policy.foreseen < 39 and time.monotonic() < deadline:
+                while not pipe._owner.stream.caught_up and time.monotonic() < deadline:
                     time.sleep(0.01)
                 first = False
             batch["inputs_embeds"]
@@ -124,7 +124,7 @@ def test_rows_of_dispatched_batches_stay_cached_until_they_are_claimed(tmp_path)
     samples = [{"input_ids": torch.tensor([i, i + 1])} for i in range(0, 60, 2)]
     with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=4) as pipe:
         owner = pipe._owner
-        order = Ahead(iter([[n] for n in range(len(samples))]), taken=0)
+        order = Ahead(iter([[n] for n in range(len(samples))]))
         stream = owner.start_stream(samples, "input_ids", order, source=None, defer=None)
         try:
             deadline = time.monotonic() + 10
@@ -265,3 +265,64 @@ def test_training_stays_exact_when_the_misses_go_back_to_the_workers(tmp_path):
     assert 0 < stats["deferred"] < stats["misses"]  # some misses left to the owner, not all
     assert stats["staged"] > 0
     assert torch.equal(table, reference)
+
+
+class RandomIds(torch.utils.data.Dataset):
+    """Every read gives other ids: foresight is wrong for every batch."""
+
+    def __len__(self) -> int:
+        return 100_000
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": torch.randint(0, 2000, (16,))}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_wrong_foresight_pins_no_row_and_grows_no_list(tmp_path, num_workers):
+    """policy="lookahead" keeps looking ahead however wrong it is: what it holds stays bounded
+    by the batches in flight (before, the batches in flight grew all epoch, each pinning its
+    rows, and every hand-off scanned them)."""
+    embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100, policy="lookahead") as pipe:
+        loader = pipe.loader(RandomIds(), batch_size=8, num_workers=num_workers)
+        in_flight, held = [], []
+        for n, batch in enumerate(loader):
+            batch["inputs_embeds"]
+            stream = pipe._owner.stream
+            in_flight.append(len(stream.in_flight_ids))
+            held.append(int(pipe._owner.cache.policy.held.max()))
+            if n == 400:
+                break
+    assert max(in_flight) <= 6, max(in_flight)  # prefetch_factor x workers, plus one
+    assert max(held[100:]) <= max(held[:100]) <= 6
+
+
+def test_auto_stops_looking_ahead_when_foresight_keeps_missing(tmp_path):
+    embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100) as pipe:
+        with pytest.warns(RuntimeWarning, match="stopped looking ahead"):
+            for n, batch in enumerate(pipe.loader(RandomIds(), batch_size=8, num_workers=2)):
+                batch["inputs_embeds"]
+                if n == 40:
+                    break
+        assert pipe._owner.blind and pipe._owner.stream is None
+        for n, _ in enumerate(pipe.loader(RandomIds(), batch_size=8)):  # no stream, no warning
+            assert pipe._owner.stream is None
+            if n == 3:
+                break
+
+
+def test_the_foresight_child_ends_with_its_epoch(tmp_path):
+    import os
+
+    embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
+    samples = [{"input_ids": torch.tensor([i, i + 1])} for i in range(64)]
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=10) as pipe:
+        for n, _ in enumerate(pipe.loader(samples, batch_size=4)):
+            if n == 0:
+                child = pipe._owner.stream.ids.pid
+                assert os.waitpid(child, os.WNOHANG) == (0, 0)  # alive, reading ahead
+            if n == 5:
+                break  # an epoch left early
+        with pytest.raises(ChildProcessError):  # reaped
+            os.waitpid(child, os.WNOHANG)

@@ -141,17 +141,120 @@ def test_a_learning_rate_changed_without_a_scheduler_base_reaches_the_table(tmp_
         assert torch.allclose(table(pipe), reference.emb.weight.detach(), rtol=0, atol=1e-7)
 
 
-def test_an_optimizer_without_the_table_warns_once_that_its_schedule_cannot_reach_it(tmp_path):
+def test_an_optimizer_without_the_table_never_takes_its_gradient_and_says_so_once(tmp_path):
     model = Toy()
     with offloaded(tmp_path, model) as pipe:
         dense = torch.optim.AdamW(model.lin.parameters(), lr=1e-2)  # not pipe.parameter
-        batches = iter(pipe.loader(samples(8), batch_size=4))
+        batches = iter(pipe.loader(samples(12), batch_size=4))
         loss(model, next(batches), True).backward()
-        with pytest.warns(RuntimeWarning, match="does not hold pipe.parameter"):
-            dense.step()
+        dense.step()
+        assert pipe._owner.writeback.submitted == 0 and pipe.parameter.grad is not None
+        with pytest.warns(RuntimeWarning, match="none that holds it did"):
+            loss(model, next(batches), True).backward()
+        pipe.step()  # the remedy: the table steps at the row optimizer's rate
+        assert pipe._owner.writeback.submitted == 1
         loss(model, next(batches), True).backward()
-        dense.step()  # once is enough
-        assert pipe._owner.writeback.submitted == 2
+        dense.step()  # once is enough: no second warning at the next backward
+        pipe.step()
+
+
+def test_an_optimizer_built_before_offload_raises_at_its_step(tmp_path):
+    model = Toy()
+    stale = torch.optim.AdamW(model.parameters(), lr=1e-2)  # holds the V x D weight
+    with offloaded(tmp_path, model) as pipe:
+        loss(model, next(iter(pipe.loader(samples(4), batch_size=4))), True).backward()
+        with pytest.raises(RuntimeError, match="built before offload"):
+            stale.step()
+
+
+def two_tables(tmp_path, order: str, step_b: bool):
+    """Two tables, each in its own torch Adagrad, one loss: a pipe each, against two
+    nn.Embedding. ``order``: which optimizer steps first; ``step_b``: B's optimizer steps (else
+    B is a frozen stage whose optimizer never steps)."""
+    data = samples(16)
+    torch.manual_seed(3)
+    ref_a, ref_b = nn.Embedding(V, D), nn.Embedding(V, D)
+    weights = ref_a.weight.detach().clone(), ref_b.weight.detach().clone()
+    opt_a = torch.optim.Adagrad(ref_a.parameters(), **ADAGRAD)
+    opt_b = torch.optim.Adagrad(ref_b.parameters(), **ADAGRAD)
+
+    def steps(a, b):
+        first, second = (a, b) if order == "a first" else (b, a)
+        for opt in (first, second):
+            if opt is a or step_b:
+                opt.step()
+            opt.zero_grad()
+
+    for batch in torch.utils.data.DataLoader(data, batch_size=4):
+        (ref_a(batch["input_ids"]).sum() + (ref_b(batch["input_ids"]) ** 2).sum()).backward()
+        steps(opt_a, opt_b)
+    pipes = [
+        embedpipe.EmbeddingPipe(
+            embedpipe.Table.from_tensor(tmp_path / f"{n}.zarr", w, chunk_rows=16),
+            cache_rows=20,
+            optimizer=embedpipe.optim.Adagrad(**ADAGRAD),
+        )
+        for n, w in zip("ab", weights)
+    ]
+    with pipes[0] as a, pipes[1] as b:
+        pa = torch.optim.Adagrad([a.parameter], **ADAGRAD)
+        pb = torch.optim.Adagrad([b.parameter], **ADAGRAD)
+        for batch in a.loader(data, batch_size=4):
+            (batch["inputs_embeds"].sum() + (b_embeds(b, batch) ** 2).sum()).backward()
+            steps(pa, pb)
+        return (table(a), table(b)), (ref_a.weight.detach(), ref_b.weight.detach()), weights
+
+
+def b_embeds(pipe, batch) -> torch.Tensor:
+    """The second table's rows for the first loader's batch, through a one-batch loader."""
+    one = [{"input_ids": ids} for ids in batch["input_ids"]]
+    return next(iter(pipe.loader(one, batch_size=len(one))))["inputs_embeds"]
+
+
+@pytest.mark.parametrize("order", ["a first", "b first"])
+def test_two_tables_in_two_optimizers_each_step_with_their_own(tmp_path, order):
+    got, expected, _ = two_tables(tmp_path, order, step_b=True)
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+
+
+def test_a_table_whose_optimizer_never_steps_stays_as_it_was(tmp_path):
+    got, expected, before = two_tables(tmp_path, "a first", step_b=False)  # B: zero_grad only
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(got[1], before[1])
+
+
+def test_a_hand_written_warmup_in_a_shared_group_scales_the_table_as_built(tmp_path):
+    """AdamW(model.parameters(), lr=0.1) with the loop setting the rate (0.01 -> 0.1 over 10
+    steps) before each step: the table's rate is Adagrad's times lr / 0.1, as nn.Embedding in
+    a matching optimizer gets it."""
+    data = samples(40)
+
+    def warmup(optimizer, k):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 * min(1.0, (k + 1) / 10)
+
+    reference = Toy()
+    dense = torch.optim.AdamW(reference.lin.parameters(), lr=0.1)
+    adagrad = torch.optim.Adagrad([reference.emb.weight], **ADAGRAD)
+    for k, batch in enumerate(torch.utils.data.DataLoader(data, batch_size=4)):
+        warmup(dense, k)
+        adagrad.param_groups[0]["lr"] = ADAGRAD["lr"] * dense.param_groups[0]["lr"] / 0.1
+        loss(reference, batch, False).backward()
+        dense.step()
+        adagrad.step()
+        dense.zero_grad()
+        adagrad.zero_grad()
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)  # one group, shared
+        for k, batch in enumerate(pipe.loader(data, batch_size=4)):
+            warmup(optimizer, k)
+            loss(model, batch, True).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert torch.allclose(table(pipe), reference.emb.weight.detach(), rtol=0, atol=1e-7)
+        assert "initial_lr" not in optimizer.param_groups[0]  # embedpipe wrote nothing there
 
 
 def test_offloading_again_over_the_same_path_trains_the_new_model(tmp_path):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import threading
+import os
 import time
 
 import numpy as np
@@ -152,6 +152,7 @@ class TraceDataset(torch.utils.data.Dataset):
         self.batches = -(-len(ids) // batch_size)
         self.batch_size = batch_size
         self.policy = policy
+        self.pid = os.getpid()  # the training process (the foresight child reads a copy)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -160,7 +161,7 @@ class TraceDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i]}
 
     def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
-        if self.policy is not None and threading.current_thread() is threading.main_thread():
+        if self.policy is not None and os.getpid() == self.pid:
             ahead = min(self.policy.window, self.batches - 1 - indices[0] // self.batch_size)
             deadline = time.monotonic() + 60
             while self.policy.foreseen < ahead:  # batch t was drawn: the window is t+1 ..

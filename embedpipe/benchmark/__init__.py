@@ -39,7 +39,7 @@ import torch
 import zarr
 
 from .. import __version__
-from . import distributed, memory, model, rows, throughput
+from . import distributed, handoff, memory, model, rows, throughput
 from .options import apply_quick, integer
 from .report import target, targets_table
 
@@ -59,6 +59,7 @@ def _cold() -> ModuleType | None:
 COLD = _cold()
 SECTIONS: list[ModuleType] = [
     rows,
+    handoff,
     throughput,
     model,
     memory,

@@ -83,15 +83,14 @@ def rows_read_pipe(
     num_workers: int = 0,
 ) -> int:
     """A real frozen EmbeddingPipe over ``ids``: its ``stats()["rows_read"]``. After the first
-    batch it lets the lookahead reader fill its window (up to 10 s), so the count does not
-    depend on how a loaded machine schedules that thread against a loop that does no work."""
+    batch it lets the foresight child fill the window (up to 10 s), so the count does not
+    depend on how a loaded machine schedules that child against a loop that does no work."""
     with EmbeddingPipe(path, cache_rows=cache_rows, policy=policy, lookahead=window) as pipe:
         loader = pipe.loader(TraceDataset(ids), batch_size=batch_size, num_workers=num_workers)
-        wanted = min(window, len(ids) // batch_size - 1)
         for n, batch in enumerate(loader):
-            policy_ = pipe._owner.cache.policy
+            stream = pipe._owner.stream
             deadline = time.monotonic() + 10
-            while n == 0 and getattr(policy_, "foreseen", wanted) < wanted:
+            while n == 0 and stream is not None and not stream.caught_up:
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.01)
