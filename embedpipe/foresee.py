@@ -22,19 +22,25 @@ a wrong row, and ``auto`` stops looking ahead when it keeps missing (``lookahead
 
 Cost: each sample is fetched twice, once by a worker and once here, on another core and off the
 training process's GIL; the fork itself copies the training process's page tables (milliseconds
-for a few GB). The child writes nothing the program sees: its stdout and stderr go to
-/dev/null. It ends when its credits pipe closes or its parent is gone (``PR_SET_PDEATHSIG``, and
-a look at its parent every second), and leaves with ``os._exit``: no exit hook of the training
-process runs in it.
+for a few GB). The child shares nothing it could change with the program: its stdout and
+stderr are /dev/null, every file it inherited is reopened with an offset of its own (a dataset
+that seeks a file it opened before would otherwise move the parent's offset), every socket and
+pipe is /dev/null (it cannot take the parent's data), no signal handler of the program runs in
+it and no garbage from before the fork is collected in it. It ends when its credits pipe closes
+or its parent is gone (``PR_SET_PDEATHSIG``, and a look at its parent every second), and leaves
+with ``os._exit``: no exit hook of the training process runs in it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
+import gc
 import os
 import select
 import signal
+import stat
 import struct
 import sys
 import warnings
@@ -74,7 +80,7 @@ class IdsReader:
             try:
                 os.close(credits_write)
                 os.close(ids_read)
-                _leave_the_program(parent)
+                _leave_the_program(parent, keep=(credits_read, ids_write))
                 _serve(batches, ids_of, first, credits_read, ids_write, parent)
                 code = 0
             finally:
@@ -127,17 +133,53 @@ class IdsReader:
 
 
 # ---------------------------------------------------------------------------- in the child
-def _leave_the_program(parent: int) -> None:
-    """Die with the parent; write nothing where the program writes; ignore Ctrl-C (the parent
-    ends the child)."""
+def _leave_the_program(parent: int, keep: tuple[int, ...]) -> None:
+    """Cut every tie through which the child could change what the program sees: die with the
+    parent, run none of its signal handlers nor collect its garbage (a finalizer left over from
+    before the fork could commit or delete something), write nowhere it writes, and share no
+    file offset, socket or pipe with it (:func:`_own_descriptors`)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # it died before prctl
         os._exit(0)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 1)
-    os.dup2(null, 2)
+    gc.freeze()  # objects from before the fork are never collected here
+    for number in signal.valid_signals():  # a SIGTERM handler that saves a checkpoint, say
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            if callable(signal.getsignal(number)):
+                signal.signal(number, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent ends the child
+    _own_descriptors(keep)
+
+
+def _own_descriptors(keep: tuple[int, ...]) -> None:
+    """After ``fork`` the child shares each open file description with the parent: a dataset
+    that seeks and reads a file it opened before the fork would move the parent's offset, and
+    one that reads a socket or pipe would take the parent's data. So each regular file is
+    reopened as a description of the child's own at the same offset, and every other
+    descriptor (sockets, pipes, terminals) but ``keep`` becomes /dev/null: a dataset that
+    reads them fails here, which only ends the foresight. Nothing stays writable: a file opened
+    for writing only (a log) becomes /dev/null, one opened for reading and writing is reopened
+    read-only, and stdin, stdout and stderr are /dev/null."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd in keep or fd == null:
+            continue
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError:  # the descriptor listdir itself used
+            continue
+        if stat.S_ISDIR(mode):
+            continue
+        readable = fd > 2 and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_WRONLY
+        if stat.S_ISREG(mode) and readable:
+            with contextlib.suppress(OSError):
+                own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+                os.lseek(own, os.lseek(fd, 0, os.SEEK_CUR), os.SEEK_SET)
+                os.dup2(own, fd, inheritable=os.get_inheritable(fd))
+                os.close(own)
+                continue
+        os.dup2(null, fd, inheritable=os.get_inheritable(fd))
     os.close(null)
 
 

@@ -10,6 +10,7 @@ draws its own dropout: the lookahead policy reads ahead in a forked child
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -253,3 +254,29 @@ def test_datasets_and_samplers_people_write_see_the_same_batches(
     got = offloaded(dataset, tmp_path / "t.zarr", weight, num_workers, 20, "auto", **options)
     same_runs(got, expected)
     assert torch.equal(got[0], expected[0])
+
+
+class Where(Dataset):
+    """Counts its calls in the process that made it (the training process) in shared memory."""
+
+    def __init__(self, n: int = 64) -> None:
+        self.n, self.pid = n, os.getpid()
+        self.calls_here = torch.zeros(1, dtype=torch.int64).share_memory_()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        if os.getpid() == self.pid:
+            self.calls_here += 1
+        return {"input_ids": torch.tensor([i % V, (7 * i) % V])}
+
+
+def test_with_workers_the_dataset_is_never_called_in_the_training_process(tmp_path, weight):
+    embedpipe.Table.from_tensor(tmp_path / "t.zarr", weight, chunk_rows=32).close()
+    dataset = Where()
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=20) as pipe:
+        for _ in pipe.loader(dataset, batch_size=4, shuffle=True, num_workers=2):
+            pass
+        assert pipe._owner.cache.policy.name == "lookahead"
+    assert int(dataset.calls_here) == 0

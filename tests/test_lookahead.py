@@ -326,3 +326,36 @@ def test_the_foresight_child_ends_with_its_epoch(tmp_path):
                 break  # an epoch left early
         with pytest.raises(ChildProcessError):  # reaped
             os.waitpid(child, os.WNOHANG)
+
+
+class SeekAndRead(torch.utils.data.Dataset):
+    """Reads each sample's ids through one file handle opened in the training process, with
+    seek then read (not thread-safe, and with num_workers=0 nothing else reads it)."""
+
+    def __init__(self, path, n: int) -> None:
+        self.file = open(path, "rb", buffering=0)  # noqa: SIM115 (held for the dataset's life)
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        self.file.seek(i * 16 * 8)
+        time.sleep(0.0005)  # (the child seeks and reads meanwhile)
+        data = self.file.read(16 * 8)
+        return {"input_ids": torch.from_numpy(np.frombuffer(data, dtype=np.int64).copy())}
+
+
+def test_the_foresight_child_shares_no_file_offset_with_the_dataset(tmp_path):
+    """The child reads its own copy of the dataset: a file the dataset opened before the fork is
+    reopened there with its own offset, so the samples the loop gets are the file's."""
+    tokens = np.random.default_rng(4).integers(0, 2000, size=(200, 16)).astype(np.int64)
+    tokens.tofile(tmp_path / "tokens.bin")
+    embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
+    dataset = SeekAndRead(tmp_path / "tokens.bin", len(tokens))
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100) as pipe:
+        for n, batch in enumerate(pipe.loader(dataset, batch_size=4)):
+            assert torch.equal(batch["input_ids"], torch.from_numpy(tokens[n * 4 : n * 4 + 4]))
+            time.sleep(0.01)  # a model's step: the child reads ahead meanwhile
+        assert not pipe._owner.blind  # the child read the file right too
+    dataset.file.close()
