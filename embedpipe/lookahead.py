@@ -225,11 +225,6 @@ class Stream:
         framework skipped, say), and make its misses read ahead :attr:`ready` for the hand-off.
         A batch that matches none is taken to be the next in the DataLoader's order: foresight
         that was wrong holds nothing longer than its batch is in flight."""
-        began = time.monotonic()
-        with self.wake:  # a read of its misses under way finishes first
-            while self.filling is not None and not self.stopped:
-                self.wake.wait()
-        waited = time.monotonic() - began
         with self.owner.lock:
             probe = ids[:: max(1, len(ids) // 64)]  # a sample: the test is about 64 ids
             found = next(
@@ -240,6 +235,12 @@ class Stream:
                 ),
                 None,
             )
+        began = time.monotonic()
+        with self.wake:  # a read of its misses under way finishes first (not a later batch's)
+            while found is not None and self.filling == found and not self.stopped:
+                self.wake.wait()
+        waited = time.monotonic() - began
+        with self.owner.lock:  # (only this thread takes batches out of in_flight_ids)
             # the batch claimed: the one found, else the next in the DataLoader's order
             number = found if found is not None else self.claimed + 1
             if self.first_received is not None and number >= self.first_received:
@@ -291,9 +292,11 @@ class Stream:
 
     @property
     def caught_up(self) -> bool:
-        """The child has sent every batch the window lets it read (benchmarks and tests wait
-        for this, so that rows read do not depend on how the machine schedules the child)."""
-        return self.ended or self.last_received >= self.dispatched + self.window
+        """The child has sent every batch the window lets it read, and the reader thread has
+        read the misses of every batch in flight (benchmarks and tests wait for this, so that
+        rows read do not depend on how the machine schedules the child and the thread)."""
+        foreseen = self.ended or self.last_received >= self.dispatched + self.window
+        return foreseen and self.filling is None and self._next_fill() is None
 
     @property
     def finished(self) -> bool:

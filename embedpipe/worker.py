@@ -28,6 +28,7 @@ from .batch import EmbeddedBatch, Source, register_source
 from .cache import SharedRows
 from .errors import IdOutOfRangeError
 from .ids import as_ids, unique_inverse
+from .orphans import exit_with_parent
 from .ring import BatchRing
 from .shm import SharedBlock
 from .table import WEIGHT, Table
@@ -158,6 +159,8 @@ class Lookup:
         return self._table
 
     def __call__(self, samples: list[Any]) -> EmbeddedBatch:
+        if get_worker_info() is not None:
+            exit_with_parent()  # NOTE [ Workers die with the training process ]
         fields = self.collate(samples)
         if not isinstance(fields, Mapping) or self.ids_key not in fields:
             keys = list(fields) if isinstance(fields, Mapping) else type(fields).__name__

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -495,3 +499,43 @@ def test_a_pipe_that_cannot_commit_leaves_the_last_checkpoint_as_it_was(path, mo
     assert [c.step for c in table.checkpoints] == [0]
     assert torch.equal(table.to_tensor(), weight)
     embedpipe.Table.open(path, "r+").close()  # released
+
+
+def test_a_killed_trainer_leaves_no_process_and_no_shared_memory(tmp_path):
+    """kill -9 of a trainer whose workers have filled the result queue's pipe: every process of
+    the job (workers, foresight child) is gone within 10 s (NOTE [ Workers die with the
+    training process ]), and with them every mapping of the cache and ring."""
+    psutil = pytest.importorskip("psutil", reason="psutil lists the job's processes")
+    embedpipe.Table.create(tmp_path / "t.zarr", 500, 8).close()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.orphan_run", str(tmp_path / "t.zarr")],
+        cwd=Path(__file__).resolve().parent.parent,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("pids"), line
+        pids = [int(p) for p in line.split()[1:]]
+        assert len(pids) >= 3, pids  # the trainer and its 2 workers at least
+        time.sleep(2)  # the workers fill the queue while the trainer sleeps in its step
+        os.kill(pids[0], signal.SIGKILL)
+        process.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        alive = pids[1:]
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in alive if psutil.pid_exists(p) and _not_zombie(psutil, p)]
+            time.sleep(0.1)
+        assert not alive, f"processes of the killed job still alive after 10 s: {alive}"
+    finally:
+        for p in pids if "pids" in locals() else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        process.stdout.close()
+
+
+def _not_zombie(psutil, pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
