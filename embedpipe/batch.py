@@ -29,6 +29,18 @@ made final again, as ``embedding(ids)`` would be. Iterating a batch yields the c
 only, so copying it field by field never reads the rows early. Each read makes a new
 ``(B, L, D)`` tensor from one leaf per version of the rows, so two forward passes over one batch
 (R-Drop) are two graphs whose gradients add up, as with ``nn.Embedding``.
+
+NOTE [ Ids edited in place ]
+A loop may edit a batch's ids after it is handed out (masking tokens for MLM, word dropout):
+``batch["input_ids"][mask] = mask_id``. ``nn.Embedding`` then embeds the edited ids, so the batch
+does too: it keeps the ids tensor and its version counter as they were when its rows were looked
+up (version 0 for a batch that crossed from a worker), and when the claim, ``.to(device)`` or a
+read of the rows finds the counter moved and the ids different, the owner gathers the rows of
+the new ids (``Owner.relookup``: the cache's or the table's newest, under the same waits as a
+hand-off) and the batch's unique ids, inverse and rows become theirs, so the gradient goes to
+the rows the model read. An edit costs one lookup in the training process; a batch never edited
+costs a version check per read. A table sharded over ranks refuses it (the other ranks would
+have to join the lookup): edit the ids in the dataset or ``collate_fn`` there.
 """
 
 from __future__ import annotations
@@ -144,12 +156,39 @@ class EmbeddedBatch(Mapping[str, Any]):
         self._leaf_tick = -1
         #: A sharded pipe: (step, generation) when the rows other ranks own were fetched.
         self.fetched = (-1, -1)
+        self._ids_seen: tuple[str, Any, int] | None = None  # NOTE [ Ids edited in place ]
+
+    def _watch_ids(self, key: str | None, version: int | None = None) -> None:
+        """Note the ids field ``key`` as the rows were gathered for it, at ``version`` of its
+        tensor (None: now): a later in-place change is seen by the version counter (NOTE [ Ids
+        edited in place ])."""
+        ids = self.fields.get(key) if key is not None and isinstance(self.fields, Mapping) else None
+        if isinstance(ids, torch.Tensor):
+            self._ids_seen = (key, ids, ids._version if version is None else version)
+
+    def _ids_changed(self) -> torch.Tensor | None:
+        """The ids field, if it was changed in place since the rows were gathered for it."""
+        seen = self._ids_seen
+        if seen is None:
+            return None
+        key, ids, version = seen
+        if ids._version == version:
+            return None
+        self._ids_seen = (key, ids, ids._version)
+        as_gathered = self._unique_ids.to(self._inverse.device)[self._inverse]
+        if ids.shape == as_gathered.shape and torch.equal(ids.to(as_gathered.dtype), as_gathered):
+            return None  # written, but with the same ids
+        return ids
 
     @classmethod
-    def _looked_up(cls, item: LookedUp, source: str) -> EmbeddedBatch:
-        """A batch as a worker returns it: unclaimed (see the NOTE)."""
+    def _looked_up(
+        cls, item: LookedUp, source: str, ids_key: str | None = None, version: int = 0
+    ) -> EmbeddedBatch:
+        """A batch as a worker returns it: unclaimed (see the NOTE); its rows were looked up
+        for the field ``ids_key`` at ``version`` of its tensor."""
         batch = cls.__new__(cls)
         batch.fields, batch._item, batch._source, batch._pin = item.fields, item, source, False
+        batch._ids_key, batch._ids_version = ids_key, version
         return batch
 
     def __getstate__(self) -> dict[str, Any]:
@@ -157,10 +196,11 @@ class EmbeddedBatch(Mapping[str, Any]):
             raise TypeError("a claimed EmbeddedBatch cannot be pickled; pickle its fields")
         # the fields travel inside the item, once (as bytes: NOTE [ Fields travel as bytes ]
         # in worker.py)
-        return {"_item": self._item, "_source": self._source}
+        return {"_item": self._item, "_source": self._source, "_ids_key": self._ids_key}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, fields=state["_item"].fields, _pin=False)
+        # unpickled tensors start at version 0, as the ids were when they were looked up
+        self.__dict__.update(state, fields=state["_item"].fields, _pin=False, _ids_version=0)
 
     def _claim(self) -> EmbeddedBatch:
         """Claim an unclaimed batch in the training process (no-op once claimed)."""
@@ -184,15 +224,25 @@ class EmbeddedBatch(Mapping[str, Any]):
             claimed.tick,
             claimed.generation,
         )
+        self._watch_ids(self._ids_key, self._ids_version)
+        self._follow_edits()  # ids edited before the claim (NOTE [ Ids edited in place ])
         return self
 
     @property
     def unique_ids(self) -> torch.Tensor:
-        return self._claim()._unique_ids
+        self._claim()._follow_edits()
+        return self._unique_ids
 
     @property
     def inverse(self) -> torch.Tensor:
-        return self._claim()._inverse
+        self._claim()._follow_edits()
+        return self._inverse
+
+    def _follow_edits(self) -> None:
+        if self._owner is not None and self._ids_seen is not None:
+            edited = self._ids_changed()
+            if edited is not None:
+                self._owner.relookup(self, edited)
 
     @property
     def rows(self) -> torch.Tensor:
@@ -215,7 +265,25 @@ class EmbeddedBatch(Mapping[str, Any]):
 
     def _finalize(self) -> None:
         if self._owner is not None:
+            self._follow_edits()
             self._owner.refresh(self)
+
+    def _relooked(
+        self,
+        unique_ids: torch.Tensor,
+        inverse: torch.Tensor,
+        rows: torch.Tensor,
+        step: int,
+        tick: int,
+        generation: int,
+    ) -> None:
+        """Owner: the ids were edited in place; these are the rows of the new ones."""
+        seen = self._ids_seen
+        device = self._rows.device
+        self._claimed(
+            unique_ids, inverse.to(device), rows.to(device), self._owner, step, tick, generation
+        )
+        self._ids_seen = seen
 
     def _refreshed(
         self, positions: torch.Tensor, fresh: torch.Tensor, step: int, tick: int, generation: int
@@ -241,7 +309,8 @@ class EmbeddedBatch(Mapping[str, Any]):
     def __getitem__(self, key: str) -> Any:
         if key != INPUTS_EMBEDS:
             return self.fields[key]
-        return F.embedding(self.inverse, self.rows)  # (U, D) -> (B, L, D), a new graph each read
+        rows = self.rows  # first: follows an in-place edit of the ids (the NOTE)
+        return F.embedding(self._inverse, rows)  # (U, D) -> (B, L, D), a new graph each read
 
     def __contains__(self, key: object) -> bool:
         return key == INPUTS_EMBEDS or key in self.fields
@@ -257,7 +326,7 @@ class EmbeddedBatch(Mapping[str, Any]):
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> EmbeddedBatch:
         """The batch on ``device``; ``inputs_embeds`` is then made there (and made final there)."""
-        self._claim()
+        self._claim()._follow_edits()  # ids edited before the move: the rows of the new ones
         moved = EmbeddedBatch(
             _move(self.fields, device, non_blocking),
             self._unique_ids,
@@ -269,6 +338,8 @@ class EmbeddedBatch(Mapping[str, Any]):
             generation=self.generation,
         )
         moved.fetched = self.fetched
+        if self._ids_seen is not None:
+            moved._watch_ids(self._ids_seen[0])
         return moved
 
     def pin_memory(self) -> EmbeddedBatch:
@@ -279,7 +350,9 @@ class EmbeddedBatch(Mapping[str, Any]):
         if self._item is None:
             return self  # claimed already: the rows were pinned then, if asked
         batch = EmbeddedBatch._looked_up(
-            dataclasses.replace(self._item, fields=pin_memory(self.fields)), self._source
+            dataclasses.replace(self._item, fields=pin_memory(self.fields)),
+            self._source,
+            self._ids_key,
         )
         batch._pin = True
         return batch

@@ -39,6 +39,7 @@ from .checkpoints import Checkpoint
 from .errors import NonFiniteGradientError, TableExistsError, TableWriteError, WritebackError
 from .foresee import can_fork
 from .gradient import TableGradient
+from .ids import as_ids, unique_inverse
 from .lookahead import Ahead, Stream
 from .optim import RowOptimizer
 from .policy import LRU, Lookahead
@@ -100,6 +101,7 @@ class Owner:
                 "deferred",
                 "filled_ahead",
                 "refreshed",
+                "relookups",  # batches whose ids were edited in place after their lookup
                 "ring_overruns",
                 "remote_rows",  # a sharded pipe's rows from other ranks, and served to them
                 "served_rows",
@@ -189,6 +191,27 @@ class Owner:
             step=step,
             tick=tick,
             generation=self.generation,
+        )
+
+    def relookup(self, batch: EmbeddedBatch, ids: torch.Tensor) -> None:
+        """``batch``'s ids were edited in place after its rows were looked up: gather the rows
+        of the new ones, as a hand-off would (NOTE [ Ids edited in place ] in ``batch.py``)."""
+        self.check_open()
+        edited = as_ids(ids.detach().cpu(), self.table.num_rows, what="edited batch ids")
+        unique_ids, inverse = unique_inverse(edited, self.table.num_rows)
+        self._wait_for_steps()
+        step = self.applied_step
+        with self.lock:
+            rows = self.cache.current(unique_ids)
+            tick = self.cache.clock
+        self.counts["relookups"] += 1
+        batch._relooked(
+            torch.from_numpy(unique_ids),
+            torch.from_numpy(inverse),
+            torch.from_numpy(rows),
+            step,
+            tick,
+            self.generation,
         )
 
     def _read_deferred(self, ids: np.ndarray, rows: np.ndarray, deferred: np.ndarray) -> None:

@@ -41,6 +41,13 @@ class ShardOwner(Owner):
         self.written = (self.writeback.submitted, self.generation)
 
     # ------------------------------------------------------------------------- training loop
+    def relookup(self, batch: EmbeddedBatch, ids: torch.Tensor) -> None:
+        raise DistributedNotSupportedError(
+            "a batch's ids were edited in place after its rows were looked up; a table sharded "
+            "over ranks cannot look up the new ids alone (every rank would have to join): make "
+            "the edit in the dataset or the collate_fn, which run before the lookup"
+        )
+
     def refresh(self, batch: EmbeddedBatch) -> None:
         """The rows other ranks own, unless fetched since the steps the consistency mode lets
         a batch miss, then the owner's own refresh. Every rank reads its batch at the same

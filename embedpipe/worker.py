@@ -168,11 +168,12 @@ class Lookup:
                 f"the collated batch must be a mapping with the ids under {self.ids_key!r}, got {keys}; "
                 "pass ids_key=... or a collate_fn that returns a dict"
             )
+        version = getattr(fields[self.ids_key], "_version", 0)  # NOTE [ Ids edited in place ]
         ids = as_ids(fields[self.ids_key], self.num_rows, what="batch ids")
         unique_ids, inverse = unique_inverse(ids, self.num_rows)
         if self.cache is None:  # the owner reads the rows (lookup_step -1 says so)
             item = LookedUp(fields, unique_ids, inverse, -1, 0, None, -1, 0, 0)
-            return EmbeddedBatch._looked_up(item, self.key)
+            return EmbeddedBatch._looked_up(item, self.key, self.ids_key, version)
         defer = self.defer is not None and bool(self.defer["misses"][0])
         lookup_step = self.cache.applied_step  # before any row is read (invariant 4)
         rows, hit = self.cache.read(unique_ids)
@@ -199,7 +200,7 @@ class Lookup:
             misses=len(miss),
             deferred=miss if defer else None,
         )
-        return EmbeddedBatch._looked_up(item, self.key)
+        return EmbeddedBatch._looked_up(item, self.key, self.ids_key, version)
 
 
 class CheckedDataset(Dataset):

@@ -354,3 +354,36 @@ def test_hf_trainer_trains_on_an_iterable_dataset(tmp_path):
             return iter(bert_samples(16))
 
     assert train_briefly(tmp_path, Stream(), steps=3) == 3
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_ids_edited_in_place_train_as_nn_embedding_trains_the_edited_ids(tmp_path, num_workers):
+    """Masking in the loop: 15% of the ids become id 1 ([MASK]) after the batch is handed out;
+    the table trains as nn.Embedding fed the masked ids (the [MASK] row included)."""
+    data = samples(32)
+    masks = [torch.rand(4, 6, generator=torch.Generator().manual_seed(k)) < 0.15 for k in range(8)]
+
+    def run(model, optimizers, batches, offloaded_):
+        for k, batch in enumerate(batches):
+            if offloaded_ and k % 2:
+                batch = batch.to("cpu")  # an edit after a move is seen too
+            batch["input_ids"][masks[k]] = 1
+            loss(model, batch, offloaded_).backward()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+
+    reference = Toy()
+    run(
+        reference,
+        reference_optimizer(reference),
+        torch.utils.data.DataLoader(data, batch_size=4),
+        False,
+    )
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        dense = torch.optim.AdamW(model.lin.parameters(), lr=1e-2)
+        adagrad = torch.optim.Adagrad([pipe.parameter], **ADAGRAD)
+        run(model, [dense, adagrad], pipe.loader(data, batch_size=4, num_workers=num_workers), True)
+        assert pipe.stats()["relookups"] > 0
+        assert torch.equal(table(pipe), reference.emb.weight.detach())
