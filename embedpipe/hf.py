@@ -108,9 +108,13 @@ class OffloadedEmbedding(nn.Module):
         with self._without_rows():
             super()._save_to_state_dict(*args, **kwargs)
 
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+    ) -> None:
+        if getattr(self, "_skip_weight", False):  # a checkpoint's copy of the table's rows
+            state_dict.pop(prefix + "weight", None)
         with self._without_rows():
-            super()._load_from_state_dict(*args, **kwargs)
+            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _error(self) -> EmbeddingsOffloadedError:
         return EmbeddingsOffloadedError(
@@ -255,6 +259,23 @@ def restore(model: nn.Module, source: Any) -> nn.Module:
     """
     model.set_input_embeddings(_embedding_of(model, source))
     return model
+
+
+@contextmanager
+def skipping_word_embeddings(model: nn.Module) -> Iterator[None]:
+    """Inside the block, loading a state dict into ``model`` drops its offloaded word
+    embeddings' ``weight`` (a Trainer checkpoint holds a copy of the table's rows for
+    ``from_pretrained``; a resume takes the table from the checkpoint's snapshot instead).
+    Elsewhere such a key is unexpected, as for any module without it."""
+    placeholder = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(placeholder, OffloadedEmbedding):
+        yield
+        return
+    placeholder._skip_weight = True
+    try:
+        yield
+    finally:
+        placeholder._skip_weight = False
 
 
 @contextmanager

@@ -29,20 +29,28 @@ What it changes, and nothing else:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from .batch import INPUTS_EMBEDS, EmbeddedBatch
 from .collate import PadCollator
 from .pipe import EmbeddingPipe
+from .table import Table
+from .tensorfiles import add_table_to_safetensors, export_table
 
 #: The folder inside each of Trainer's checkpoint folders that holds the table's snapshot.
 TABLE_FOLDER = "embedpipe-table"
+#: The shard of a sharded checkpoint's model files that holds the word embeddings.
+EMBEDDINGS_SHARD = "model-embedpipe-word-embeddings.safetensors"
 
 
 class Trainer(transformers.Trainer):
@@ -145,6 +153,43 @@ class Trainer(transformers.Trainer):
             super()._save_checkpoint(model, trial)
         finally:
             self._checkpointing = False
+        if self.args.should_save:
+            self._add_word_embeddings(os.path.dirname(snapshot))
+
+    def _add_word_embeddings(self, checkpoint: str) -> None:
+        """Write the snapshot's rows into the checkpoint's model file as the word embeddings,
+        so ``from_pretrained(checkpoint)`` loads the trained ones (NOTE [ Checkpoints load
+        with their word embeddings ]). Streamed from the snapshot: the table is never whole
+        in memory."""
+        name = next(
+            n for n, m in self.model.named_modules() if m is self.model.get_input_embeddings()
+        )
+        key = f"{name}.weight" if name else "weight"
+        table = Table.open(os.path.join(checkpoint, TABLE_FOLDER), "r")
+        try:
+            model_file = os.path.join(checkpoint, SAFE_WEIGHTS_NAME)
+            index_file = os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)
+            if os.path.isfile(model_file):
+                add_table_to_safetensors(Path(model_file), table, key)
+            elif os.path.isfile(index_file):  # sharded: the embeddings in a shard of their own
+                export_table(table, os.path.join(checkpoint, EMBEDDINGS_SHARD), key=key)
+                with open(index_file) as f:
+                    index = json.load(f)
+                index["weight_map"][key] = EMBEDDINGS_SHARD
+                with open(index_file + ".tmp", "w") as f:
+                    json.dump(index, f, indent=2)
+                os.replace(index_file + ".tmp", index_file)
+            else:
+                warnings.warn(
+                    f"{checkpoint} has no {SAFE_WEIGHTS_NAME} (save_safetensors=False?): its word "
+                    f"embeddings are only in {TABLE_FOLDER}/, and from_pretrained on it gives "
+                    "freshly initialised ones; resume with embedpipe.hf.Trainer, or save with "
+                    "save_safetensors=True",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        finally:
+            table.close()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the model for ``from_pretrained``, with the table's trained rows as its word
@@ -158,11 +203,17 @@ class Trainer(transformers.Trainer):
             super().save_model(output_dir, _internal_call)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        from .hf import skipping_word_embeddings
+
+        with skipping_word_embeddings(model or self.model):  # the table comes from the snapshot
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
         self._load_table(resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
-        super()._load_best_model()
+        from .hf import skipping_word_embeddings
+
+        with skipping_word_embeddings(self.model):
+            super()._load_best_model()
         self._load_table(self.state.best_model_checkpoint)
 
     def _load_table(self, checkpoint: str) -> None:

@@ -250,23 +250,63 @@ def _write_safetensors(
     table: Table, path: Path, key: str, advance: Callable[[int], object]
 ) -> None:
     """Stream the table into the safetensors layout: u64 header size, JSON header, raw bytes."""
-    nbytes = table.num_rows * table.dim * table.dtype.itemsize
     header = {
-        key: {
-            "dtype": _SAFETENSORS_DTYPES[table.dtype.name],
-            "shape": [table.num_rows, table.dim],
-            "data_offsets": [0, nbytes],
-        },
+        key: _table_entry(table, 0),
         "__metadata__": {"format": "pt", "producer": "embedpipe"},
     }
+    with open(path, "wb") as f:
+        _write_header(f, header)
+        _write_rows(f, table, advance)
+
+
+def add_table_to_safetensors(path: Path, table: Table, key: str) -> None:
+    """Add the table's weights to the safetensors file ``path`` as the tensor ``key``: its
+    header and tensors are copied, then the rows streamed after them, into a file that replaces
+    ``path`` once complete (a checkpoint's ``model.safetensors`` gets the word embeddings that
+    ``from_pretrained`` expects there)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(path, "rb") as f, open(tmp, "wb") as out:
+            size = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(size))
+            tensors = [v for k, v in header.items() if k != "__metadata__"]
+            end = max((v["data_offsets"][1] for v in tensors), default=0)
+            header[key] = _table_entry(table, end)
+            _write_header(out, header)
+            f.seek(8 + size)
+            left = end
+            while left:
+                block = f.read(min(left, 16 << 20))
+                if not block:
+                    raise SourceFormatError(f"{path}: shorter than its header says; save it again")
+                out.write(block)
+                left -= len(block)
+            _write_rows(out, table, lambda n: None)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _table_entry(table: Table, start: int) -> dict[str, Any]:
+    nbytes = table.num_rows * table.dim * table.dtype.itemsize
+    return {
+        "dtype": _SAFETENSORS_DTYPES[table.dtype.name],
+        "shape": [table.num_rows, table.dim],
+        "data_offsets": [start, start + nbytes],
+    }
+
+
+def _write_header(f: Any, header: dict[str, Any]) -> None:
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for block in table.iter_blocks():
-            f.write(np.ascontiguousarray(block, dtype=table.dtype.newbyteorder("<")).data)
-            advance(len(block))
+    f.write(struct.pack("<Q", len(encoded)))
+    f.write(encoded)
+
+
+def _write_rows(f: Any, table: Table, advance: Callable[[int], object]) -> None:
+    for block in table.iter_blocks():
+        f.write(np.ascontiguousarray(block, dtype=table.dtype.newbyteorder("<")).data)
+        advance(len(block))
 
 
 def _safetensors_keys(path: Path) -> list[str]:

@@ -180,3 +180,15 @@ def test_save_model_writes_a_folder_from_pretrained_loads_with_the_trained_table
     assert torch.equal(model.get_input_embeddings().weight, runs["pipe"].table.to_tensor())
     # and the trainer's model is offloaded still, training on
     assert isinstance(runs["trainer"].model.get_input_embeddings(), embedpipe.hf.OffloadedEmbedding)
+
+
+def test_from_pretrained_on_a_checkpoint_folder_loads_the_trained_table(runs):
+    """A checkpoint's model file holds the table's rows at its step, streamed from the snapshot
+    (before, from_pretrained gave freshly initialised word embeddings with one MISSING line)."""
+    checkpoint = runs["folder"] / "embedpipe" / "out" / "checkpoint-4"
+    model, info = transformers.BertForSequenceClassification.from_pretrained(
+        checkpoint, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with embedpipe.Table.open(checkpoint / "embedpipe-table") as table:
+        assert torch.equal(model.get_input_embeddings().weight, table.to_tensor())
