@@ -310,7 +310,9 @@ class EmbeddedBatch(Mapping[str, Any]):
         if key != INPUTS_EMBEDS:
             return self.fields[key]
         rows = self.rows  # first: follows an in-place edit of the ids (the NOTE)
-        return F.embedding(self._inverse, rows)  # (U, D) -> (B, L, D), a new graph each read
+        embeds = F.embedding(self._inverse, rows)  # (U, D) -> (B, L, D), a new graph each read
+        dtype = self._owner.embeds_dtype() if self._owner is not None else None
+        return embeds if dtype is None else embeds.to(dtype)  # a model cast after offload
 
     def __contains__(self, key: object) -> bool:
         return key == INPUTS_EMBEDS or key in self.fields

@@ -295,8 +295,12 @@ def _embedding_of(model: nn.Module, source: Any) -> nn.Embedding:
     if not isinstance(placeholder, OffloadedEmbedding):
         raise ValueError(f"the word embeddings of this {type(model).__name__} are not offloaded")
     if hasattr(source, "flush") and hasattr(source, "table"):  # a pipe: write its steps first
-        source.flush()
-        weight = source.table.to_tensor()
+        if source._owner.closed:  # its last steps are committed: read the table as it is now
+            with Table.open(source.table.path, "r") as table:
+                weight = table.to_tensor()
+        else:
+            source.flush()
+            weight = source.table.to_tensor()
     elif isinstance(source, Table):
         weight = source.to_tensor()
     else:

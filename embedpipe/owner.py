@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -116,6 +117,9 @@ class Owner:
         #: Not when the cache holds the whole table: nothing to choose then.
         self.looks_ahead = isinstance(policy, Lookahead) and 0 < policy.cache_rows < table.num_rows
         self.stream: Stream | None = None
+        #: The dtype the models offloaded to this table expect ``inputs_embeds`` in, when not
+        #: the table's (``model.half()``); the pipe hands it down (None: the table's own).
+        self.embeds_dtype: Callable[[], torch.dtype | None] = lambda: None
         self.blind = False  # foresight kept missing: no more streams (``look_blind``)
 
     # ------------------------------------------------------------------------- training loop
@@ -529,6 +533,13 @@ class Owner:
             changed = self.table._modified or self.cache.dirty.any()
             if changed or self.applied_step != self.table.step:
                 self._commit()  # raises on a full disk: close() may be called again
+            if isinstance(error, TableWriteError):  # its message said where the table reopens
+                failed = str(error).split("; the table reopens", 1)[0]
+                error = TableWriteError(
+                    error.errno,
+                    f"{failed}; close() committed the steps applied before it: the table "
+                    f"reopens at step {self.table.step}",
+                )
         elif not hung:
             self.table._roll_back()  # nothing trustworthy to commit: back to the last checkpoint
         self.table._release_claim()

@@ -176,6 +176,7 @@ class EmbeddingPipe:
                 table.close()
             raise
         self.table = table
+        self._owner.embeds_dtype = self._embeds_dtype
         self.optimizer = optimizer
         self.consistency = consistency
         self.padding_idx = padding_idx
@@ -258,6 +259,16 @@ class EmbeddingPipe:
             embeddings = found[0]
         embeddings.attach(self.parameter)
         ignore_in_ddp(model, embeddings)
+
+    def _embeds_dtype(self) -> torch.dtype | None:
+        """The dtype of the models offloaded to this table, if they agree on one other than
+        the table's: a model cast after ``offload`` (``model.half()``, ``.double()``) gets
+        ``inputs_embeds`` in its own dtype, as its embedding would have given them."""
+        dtypes = {p.dtype for p in offloaded_embeddings(self.table.path)}
+        if len(dtypes) != 1:
+            return None
+        dtype = dtypes.pop()
+        return None if dtype == getattr(torch, self.table.dtype.name) else dtype
 
     def step(self) -> bool:
         """Apply the pending gradient as one table step, at the row optimizer's learning rate.

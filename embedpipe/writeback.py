@@ -82,6 +82,9 @@ class Writeback:
         self.stall_seconds = STALL_SECONDS
         self._idle_polls = 0  # times the thread found the queue empty for IDLE_SECONDS
         self._error: tuple[int, BaseException] | None = None
+        #: The last idle write's error, None once one succeeds (not the thread's error).
+        self.idle_error: OSError | None = None
+        self._warned_idle = False
         self._thread = threading.Thread(target=self._run, name="embedpipe-writeback", daemon=True)
         self._thread.start()
 
@@ -195,7 +198,27 @@ class Writeback:
             # cached training step waited 5.5 ms for 1.1 ms of work).
             time.sleep(0)
             if self._idle is not None and self._error is None and self._queue.empty():
-                try:
-                    self._idle()
-                except BaseException as e:
-                    self._error = (item.step, e)
+                self._run_idle(item.step)
+
+    def _run_idle(self, step: int) -> None:
+        """The idle work: writing rows ahead of need. A failed write loses nothing (the rows
+        stay dirty in the cache, for the write that needs them), so it is no error of the
+        thread's: it warns once and is tried again after the next step, and a write that
+        succeeds later clears it (a disk that was full and has room again)."""
+        try:
+            self._idle()
+            self.idle_error = None
+        except OSError as e:
+            if self.idle_error is None and not self._warned_idle:
+                self._warned_idle = True
+                warnings.warn(
+                    f"writing cold rows of the cache ahead of need failed after step {step} "
+                    f"({e.strerror or e}): nothing is lost (they stay in the cache and are "
+                    "tried again after the next step), but evictions and checkpoints must "
+                    "write them: free space",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+            self.idle_error = e
+        except BaseException as e:
+            self._error = (step, e)

@@ -412,6 +412,7 @@ def test_a_failed_state_write_inside_a_step_never_leaves_half_a_step(path, monke
                 (batch["inputs_embeds"] ** 2).sum().backward()
                 pipe.step()
     assert raised.value.errno == errno.ENOSPC
+    assert "the table reopens at step 4" in str(raised.value)  # true when it is shown
     table = embedpipe.Table.open(path)
     expected, expected_sum = adagrad_reference(weight, batches, table.step)
     assert table.step == 4  # steps 1-4 committed, none of step 5
@@ -539,3 +540,43 @@ def _not_zombie(psutil, pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.mark.timeout(120)
+def test_a_full_disk_while_writing_ahead_clears_once_space_is_freed(path, monkeypatch):
+    """The writeback thread writes cold rows ahead of need when idle; a full disk there loses
+    nothing and must not stick: once space is freed, checkpoint() and close() work and the
+    table is nn.Embedding + Adagrad's (before: checkpoint() failed twice with the same error,
+    and close() said the table reopens at step 0 after committing the last step)."""
+    from embedpipe import rowstore
+
+    weight = embedpipe.Table.open(path).to_tensor().numpy()
+    data = samples(32)
+    batches = [torch.stack([s["input_ids"] for s in data[i : i + 2]]) for i in range(0, 32, 2)]
+    write, full, failed = rowstore.RawRows.write, [False], []
+
+    def full_while_asked(self, ids, rows):
+        if full[0]:
+            failed.append(len(ids))
+            raise OSError(errno.ENOSPC, "No space left on device", self.root)
+        return write(self, ids, rows)
+
+    monkeypatch.setattr(rowstore.RawRows, "write", full_while_asked)
+    with EmbeddingPipe(path, cache_rows=12, optimizer=embedpipe.optim.Adagrad(lr=0.5)) as pipe:
+        with pytest.warns(RuntimeWarning, match="ahead of need failed"):
+            for n, batch in enumerate(pipe.loader(data, batch_size=2)):
+                (batch["inputs_embeds"] ** 2).sum().backward()
+                full[0] = 6 <= n < 10  # the disk is full while these steps are applied
+                pipe.step()
+                deadline = time.monotonic() + 5
+                while full[0] and not failed and time.monotonic() < deadline:
+                    time.sleep(0.01)  # the thread, idle after the step, tries to write ahead
+                pipe._owner.writeback.wait()
+                full[0] = False
+        assert failed  # a write ahead did fail
+        pipe.checkpoint()
+    table = embedpipe.Table.open(path)
+    expected, expected_sum = adagrad_reference(weight, batches, 16)
+    assert table.step == 16
+    assert torch.equal(table.to_tensor(), expected)
+    assert torch.equal(torch.from_numpy(table.read(np.arange(V), "sum")), expected_sum)

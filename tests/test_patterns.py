@@ -387,3 +387,28 @@ def test_ids_edited_in_place_train_as_nn_embedding_trains_the_edited_ids(tmp_pat
         run(model, [dense, adagrad], pipe.loader(data, batch_size=4, num_workers=num_workers), True)
         assert pipe.stats()["relookups"] > 0
         assert torch.equal(table(pipe), reference.emb.weight.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_a_model_cast_after_offload_gets_inputs_embeds_in_its_dtype(tmp_path, dtype):
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        model.to(dtype)
+        batch = next(iter(pipe.loader(samples(4), batch_size=4)))
+        assert batch["inputs_embeds"].dtype == dtype
+        loss(model, batch, True).float().backward()  # the gradient reaches the float32 table
+        assert pipe.parameter.grad.dtype == torch.float32 and pipe.parameter.grad.any()
+        pipe.step()
+
+
+def test_restore_after_the_pipe_closed_reads_the_committed_table(tmp_path):
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for batch in pipe.loader(samples(8), batch_size=4):
+            loss(model, batch, True).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    trained = embedpipe.Table.open(tmp_path / "t.zarr").to_tensor()
+    with embedpipe.hf.restored(model, pipe):  # what Trainer.save_model does after the with block
+        assert torch.equal(model.get_input_embeddings().weight, trained)
