@@ -23,7 +23,7 @@ from . import advice as advising
 from .convert import DTYPES, ConvertedShard, convert
 from .errors import EmbedpipeError
 from .optim import Adagrad, Adam
-from .table import COMPRESSORS, Table
+from .table import COMPRESSORS, WEIGHT, Table
 from .tensorfiles import export_table, import_table
 
 #: Exceptions that mean "the input (or the disk) was wrong", reported in one line without a
@@ -248,7 +248,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def table_info(table: Table) -> dict[str, Any]:
-    """What ``embedpipe info`` prints, as a JSON-able dict."""
+    """What ``embedpipe info`` prints, as a JSON-able dict; raises ``CorruptTableError`` for a
+    chunk file that is missing or of the wrong size."""
+    for name in [WEIGHT, *table.state_names]:
+        table._array(name).check()
     meta = table.metadata
     chunk_bytes = table.chunk_rows * table.dim * table.dtype.itemsize
     return {

@@ -366,7 +366,8 @@ _KIND_NAMES = {
 class FixedLengthCollate:
     """Collate samples into tensors of one fixed length: per-token fields padded on the right
     (the ids with ``pad_id``, ``labels`` with -100, the rest with 0), and an ``attention_mask``
-    (1 on the sample's ids) unless the shard has its own."""
+    (1 on the sample's ids, up to its last id that is not ``pad_id``) unless the shard has its
+    own."""
 
     def __init__(self, length: int, kinds: Mapping[str, str], pad_id: int | None, ids_key: str):
         self.length = length
@@ -386,9 +387,18 @@ class FixedLengthCollate:
         if "attention_mask" not in batch:
             mask = torch.zeros(len(samples), self.length, dtype=torch.int64)
             for i, s in enumerate(samples):
-                mask[i, : len(s[self.ids_key])] = 1
+                mask[i, : self._length(s[self.ids_key])] = 1
             batch["attention_mask"] = mask
         return batch
+
+    def _length(self, ids: Any) -> int:
+        """A sample's length: up to its last id that is not ``pad_id`` (a shard padded already,
+        a ``.npy`` of fixed-length rows, ends in pad ids that are padding, not tokens)."""
+        ids = np.asarray(ids).reshape(-1)[: self.length]
+        if self.pad_id is None:
+            return len(ids)
+        real = np.flatnonzero(ids != self.pad_id)
+        return int(real[-1]) + 1 if len(real) else 0
 
     def _pad(
         self, field: str, values: list[Any], pad: int | None, dtype: torch.dtype

@@ -123,6 +123,16 @@ class ZarrRows:
             raise
         return np.asarray(rows)[inverse]
 
+    def check(self) -> None:
+        """Raise :class:`CorruptTableError` for the first chunk file that is missing (or, for
+        raw chunks, of the wrong size): what ``embedpipe info`` checks."""
+        for chunk in range(-(-self.num_rows // self.chunk_rows)):
+            self._check_chunk(chunk)
+
+    def _check_chunk(self, chunk: int) -> None:
+        if self.complete:
+            self._check_exists(chunk)
+
     def _check_exists(self, chunk: int) -> None:
         if not isinstance(self.array.store_path.store, LocalStore):
             return  # remote stores: zarr reads a missing chunk as the fill value
@@ -222,6 +232,9 @@ class RawRows(ZarrRows):
 
     def _path(self, chunk: int) -> str:
         return f"{self.root}/c/{chunk}/0"
+
+    def _check_chunk(self, chunk: int) -> None:
+        self._opened(chunk)  # raises for a missing file or one of the wrong size
 
     def _where(self) -> str:
         return self.root

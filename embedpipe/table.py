@@ -239,6 +239,15 @@ class Table:
         bfloat16 tensor with ``.float()`` first). Anything with ``.shape``, ``.dtype`` and row
         slicing to numpy (a ``numpy.memmap``, a safetensors slice) is copied one chunk at a time.
         """
+        if isinstance(weight, (str, os.PathLike)) and hasattr(path, "shape"):
+            raise TypeError(
+                "Table.from_tensor(path, weight): the path comes first; got a "
+                f"{type(path).__name__} of shape {tuple(path.shape)} then the path {weight!r}"
+            )
+        if not hasattr(weight, "shape"):
+            raise TypeError(
+                f"weight must be a [num_rows, dim] tensor or array, got {type(weight).__name__}"
+            )
         if isinstance(weight, torch.Tensor):
             if weight.dtype == torch.bfloat16:
                 raise InvalidRowsError(

@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .errors import (
+    CorruptTableError,
     SourceFormatError,
     SourceKeyError,
     TableExistsError,
@@ -139,7 +140,9 @@ def import_table(
     """Create the table ``dst`` from the embedding tensor in ``src``; returns it open for writing.
 
     ``key`` names the tensor (default: the one word-embedding name found); ``dtype`` casts it
-    (needed for bfloat16). The source key is recorded in the table's metadata.
+    (needed for bfloat16). The source key is recorded in the table's metadata, and a model
+    folder's ``pad_token_id`` (``config.json``) as the table's ``padding_idx``, the default of a
+    pipe on it.
     """
     source = open_source(src, key, dtype)
     if chunk_rows is not None and (
@@ -181,7 +184,21 @@ def import_table(
             "another destination"
         ) from None
     table.update_metadata(source={"path": str(Path(src).expanduser().resolve()), "key": source.key})
+    pad = _pad_token_id(Path(src).expanduser(), table.num_rows)
+    if pad is not None:  # the pipe's default padding_idx, as offload() records it
+        table._update_metadata(padding_idx=pad)
     return table
+
+
+def _pad_token_id(src: Path, num_rows: int) -> int | None:
+    """The ``pad_token_id`` of a model folder's ``config.json`` (of the folder the weights file
+    is in), if it names a row of the table."""
+    config = (src if src.is_dir() else src.parent) / "config.json"
+    try:
+        pad = json.loads(config.read_text()).get("pad_token_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return pad if isinstance(pad, int) and 0 <= pad < num_rows else None
 
 
 def export_table(
@@ -238,8 +255,10 @@ def export_table(
                 array.flush()
                 del array
         os.replace(tmp, out)
+    except CorruptTableError:
+        raise  # the source is damaged: its own message says where
     except OSError as e:  # disk full, no permission: name the destination, not the temporary file
-        raise type(e)(f"{out}: export failed ({e.strerror or type(e).__name__})") from None
+        raise type(e)(f"{out}: export failed ({e.strerror or e})") from None
     finally:
         tmp.unlink(missing_ok=True)
     return out

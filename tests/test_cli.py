@@ -386,3 +386,18 @@ def test_a_table_whose_making_did_not_finish_says_so(tmp_path, capsys):
     assert main(["info", str(path)]) == 1
     err = capsys.readouterr().err
     assert "making the table did not finish" in err and str(path) in err
+
+
+def test_info_and_export_of_a_damaged_table_name_the_chunk(tmp_path, capsys):
+    embedpipe.Table.create(tmp_path / "t.zarr", 100, 4, chunk_rows=16).close()
+    chunk = tmp_path / "t.zarr" / "weight" / "c" / "2" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:100])  # truncated
+    for argv in (
+        ["info", str(tmp_path / "t.zarr")],
+        ["export", str(tmp_path / "t.zarr"), str(tmp_path / "o.npy")],
+    ):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        said = [line for line in err.splitlines() if line.startswith("embedpipe:")]
+        assert len(said) == 1 and "chunk 2 (rows 32..47)" in said[0], err
+        assert "has 100 bytes" in said[0]

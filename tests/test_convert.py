@@ -457,3 +457,20 @@ def test_a_tiny_bert_trains_on_a_converted_shard(tmp_path, small):
             optimizer.zero_grad()
             losses.append(loss.item())
     assert np.mean(losses[-4:]) < 0.5 * np.mean(losses[:4])
+
+
+def test_a_zero_padded_npy_shard_gets_its_padding_masked(tmp_path, small):
+    """Rows of a .npy shard are padded already; with pad_id 0 the mask ends at each row's last
+    id that is not 0 (before: all ones, so the model attended to the padding)."""
+    table, _ = small
+    ids = np.random.default_rng(2).integers(1, ROWS, (20, 8))
+    lengths = np.random.default_rng(3).integers(1, 9, 20)
+    for row, n in zip(ids, lengths):
+        row[n:] = 0
+    ids[0, 2] = 0  # a pad id inside a sample stays a token
+    np.save(tmp_path / "s.npy", ids)
+    shard = ConvertedShard(convert(table, tmp_path / "s.npy", tmp_path / "o.zarr", pad_id=0))
+    for i in range(20):
+        n = int(np.flatnonzero(ids[i])[-1]) + 1  # the last id that is not padding
+        assert n == lengths[i] or (i == 0 and n == max(lengths[0], 3))
+        assert shard[i]["attention_mask"].tolist() == [1] * n + [0] * (8 - n), i

@@ -261,3 +261,9 @@ def test_bfloat16_and_wrong_rank_tensors_are_refused(tmp_path):
     with pytest.raises(errors.InvalidRowsError, match=r"2-D .* got shape \(4,\)"):
         embedpipe.Table.from_tensor(tmp_path / "b.zarr", np.zeros(4, np.float32))
     assert not (tmp_path / "b.zarr").exists()
+
+
+def test_from_tensor_with_its_arguments_swapped_says_so(tmp_path):
+    with pytest.raises(TypeError, match=r"the path comes first; got a Tensor of shape \(4, 2\)"):
+        embedpipe.Table.from_tensor(torch.zeros(4, 2), tmp_path / "t.zarr")
+    assert not (tmp_path / "t.zarr").exists()

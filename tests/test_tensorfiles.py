@@ -17,6 +17,7 @@ def test_hf_bert_folder_round_trips_bit_for_bit(tmp_path, bert_folder):
     folder, word_embeddings = bert_folder
     table = embedpipe.import_table(folder, tmp_path / "t.zarr", chunk_rows=96)
     assert table.metadata["source"]["key"] == "bert.embeddings.word_embeddings.weight"
+    assert table.metadata["padding_idx"] == 0  # the config's pad_token_id, a pipe's default
     assert torch.equal(table.to_tensor(), word_embeddings)
     out = embedpipe.export_table(table.path, tmp_path / "out.safetensors")
     exported = load_file(out)
