@@ -152,7 +152,11 @@ def plot_curve(advice: dict[str, Any], path: str | os.PathLike) -> None:
     ax.set_ylim(0, 1.05)
     ax.set_title(f"Rows read from disk over {curve['batches']:,} batches")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    knee = 100 * advice["knee"]["cache_rows"] / num_rows
+    if knee < share:
+        ax.axvline(knee, color="grey", linewidth=1, linestyle=":")
+        ax.annotate(" knee ", (knee, 0.8), ha="right", fontsize=8)
+    ax.legend(fontsize=8, loc="lower left")  # up there the lazy curve runs at 1.0
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -210,10 +210,12 @@ def format_advice(advice: dict, args: argparse.Namespace) -> str:
     )
     within = f"within {advising.KNEE_TOLERANCE:.0%} of that ({knee['rows_read']:,} rows)"
     if knee["cache_rows"] < best["cache_rows"]:
+        smaller = best["cache_rows"] / max(1, knee["cache_rows"])
         lines.append(
             f"knee: cache_rows={knee['cache_rows']:,} "
-            f"({fmt(knee['memory']['total'])}) already reads {within}: "
-            "more memory than that buys few rows"
+            f"({fmt(knee['memory']['total'])}), {smaller:.0f}x smaller than the recommended, "
+            f"already reads {within}: more memory than that buys few rows; take the knee to "
+            "leave the memory to the rest of the job"
         )
     else:
         lines.append(f"knee: no smaller cache reads {within}: more memory still pays")

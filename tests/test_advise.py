@@ -88,7 +88,11 @@ def test_the_command_prints_the_table_and_writes_json_and_png(trace, tmp_path):
     table = [line for line in lines if line.strip().startswith(f"{best:,} *")]
     assert len(table) == 1  # the recommended row is marked
     assert any(line.startswith(f"recommended (*): cache_rows={best:,} ") for line in lines)
-    assert any(line.startswith("knee: ") for line in lines)
+    knee = advice["knee"]["cache_rows"]
+    said = [line for line in lines if line.startswith("knee: ")]
+    assert len(said) == 1
+    if knee < best:  # how much smaller the knee is, said where the advice is
+        assert f"{best / knee:.0f}x smaller than the recommended" in said[0]
     assert advice["state_arrays"] == 1 and advice["memory_budget"] == 900_000
     sets = batch_sets(ids, BATCH)
     assert advice["max_unique"] == max(len(u) for u in sets)
