@@ -66,7 +66,10 @@ class OffloadedEmbedding(nn.Module):
 
     Keeps ``num_embeddings``, ``embedding_dim``, ``padding_idx`` and the table's ``path``, plus
     the ``dtype`` and ``device`` the model expects ``inputs_embeds`` in (they follow
-    ``model.to(...)``). Calling it, or reading ``.weight``, raises :class:`EmbeddingsOffloadedError`.
+    ``model.to(...)``). :func:`offload` puts one in a model; a model rebuilt in a new process
+    (to resume training on a table that exists) takes one by hand:
+    ``model.set_input_embeddings(OffloadedEmbedding(V, D, path, padding_idx=...))``, made before
+    the pipe, which then attaches its parameter to it. Calling it, or reading ``.weight``, raises :class:`EmbeddingsOffloadedError`.
 
     Its one parameter, ``rows``, is a training pipe's :attr:`~embedpipe.EmbeddingPipe.parameter`:
     the table's pending gradient, in the model where the embedding weight was, so clipping
@@ -91,6 +94,8 @@ class OffloadedEmbedding(nn.Module):
         self.path, self.padding_idx = path, padding_idx
         self.dtype, self.device = dtype, torch.device(device)
         self.register_parameter("rows", None)
+        # a pipe made on the table from now on finds it (and attaches its parameter to it)
+        _OFFLOADED.setdefault(os.path.realpath(path), []).append(weakref.ref(self))
 
     def attach(self, parameter: nn.Parameter) -> None:
         """Hold a pipe's gradient parameter as ``rows`` (replacing an earlier pipe's)."""
@@ -208,7 +213,6 @@ def offload(
     model.set_input_embeddings(placeholder)
     setattr(weight, OFFLOADED, table.path)  # an optimizer built before holds it: raises at step
     ignore_in_ddp(model, placeholder)
-    _OFFLOADED.setdefault(os.path.realpath(table.path), []).append(weakref.ref(placeholder))
     return table
 
 

@@ -412,3 +412,39 @@ def test_restore_after_the_pipe_closed_reads_the_committed_table(tmp_path):
     trained = embedpipe.Table.open(tmp_path / "t.zarr").to_tensor()
     with embedpipe.hf.restored(model, pipe):  # what Trainer.save_model does after the with block
         assert torch.equal(model.get_input_embeddings().weight, trained)
+
+
+def test_a_model_rebuilt_to_resume_takes_an_offloaded_embedding_by_hand(tmp_path):
+    """A plain loop resumed in a new process: the model is built again (with an nn.Embedding),
+    an OffloadedEmbedding takes the embedding's place on the existing table, and the pipe and
+    an optimizer built after it train on exactly as one uninterrupted run."""
+    data = samples(16)
+
+    def train(model, pipe, batches):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)  # holds pipe.parameter
+        for batch in batches:
+            loss(model, batch, True).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    straight = Toy()
+    with offloaded(tmp_path, straight, "straight.zarr") as pipe:
+        train(straight, pipe, pipe.loader(data, batch_size=4))
+    pipe.table.close()
+    first = Toy()
+    with offloaded(tmp_path, first, "resumed.zarr") as pipe:
+        train(first, pipe, pipe.loader(data[:8], batch_size=4))
+    pipe.table.close()
+    rebuilt = Toy()  # "a new process": a fresh model, its dense weights as saved
+    rebuilt.lin.load_state_dict(first.lin.state_dict())
+    rebuilt.set_input_embeddings(
+        embedpipe.hf.OffloadedEmbedding(V, D, str(tmp_path / "resumed.zarr"))
+    )
+    with embedpipe.EmbeddingPipe(
+        tmp_path / "resumed.zarr", cache_rows=20, optimizer=embedpipe.optim.Adagrad(**ADAGRAD)
+    ) as pipe:
+        assert any(p is pipe.parameter for p in rebuilt.parameters())
+        train(rebuilt, pipe, pipe.loader(data[8:], batch_size=4))
+    expected = embedpipe.Table.open(tmp_path / "straight.zarr").to_tensor()
+    assert torch.equal(embedpipe.Table.open(tmp_path / "resumed.zarr").to_tensor(), expected)
+    assert torch.equal(rebuilt.lin.weight, straight.lin.weight)
