@@ -19,6 +19,8 @@ What it changes, and nothing else:
   at the row optimizer's learning rate and no weight decay: ``max_grad_norm`` clips it within
   the one global norm (the logged ``grad_norm`` counts it), ``gradient_accumulation_steps`` sums
   it, the scheduler scales it, and Trainer's ``optimizer.step()`` steps the table.
+- **Logs.** Every training log line (the loss's) carries the pipe's figures: hit rate, rows
+  read and written per step, writeback lag (``embedpipe/...``, ``meter.py``).
 - **Checkpoints.** Every ``checkpoint-N/`` holds ``embedpipe-table/``, a snapshot of the table
   at step N (hard links, see ``Table`` checkpoints), written before Trainer's own files (under
   ``torchrun``, by every rank's shard together: ``docs/scale-out.md``);
@@ -43,6 +45,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from .batch import INPUTS_EMBEDS, EmbeddedBatch
 from .collate import PadCollator
+from .meter import PipeMeter
 from .pipe import EmbeddingPipe
 from .table import Table
 from .tensorfiles import add_table_to_safetensors, export_table
@@ -92,6 +95,7 @@ class Trainer(transformers.Trainer):
             config.dispatch_batches = False
         self._checkpointing = False
         super().__init__(*args, **kwargs)
+        self._meter = PipeMeter(pipe)
 
     # ----------------------------------------------------------------------------- data
     def _get_dataloader(self, dataset: Any, *args: Any, **kwargs: Any) -> Any:
@@ -135,6 +139,13 @@ class Trainer(transformers.Trainer):
                 {"params": [parameter], "lr": self.pipe.optimizer.lr, "weight_decay": 0.0}
             )
         return optimizer
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Trainer's log, with the pipe's figures in its training lines (``meter.py``): hit
+        rate, rows read and written per step, writeback lag; every logger gets them."""
+        if "loss" in logs:
+            logs = {**logs, **self._meter.since_last()}
+        super().log(logs, *args, **kwargs)
 
     # ----------------------------------------------------------------------------- checkpoints
     def _save_checkpoint(self, model: Any, trial: Any) -> None:

@@ -12,7 +12,9 @@ Nothing else is needed for the training itself: the table's gradient parameter s
 ``self.parameters()`` holds it, ``gradient_clip_val`` clips it in the global norm, and the table
 steps when Lightning's optimizer steps (after the closure that runs backward and clipping).
 
-The callback makes Lightning's checkpoints hold the table. Lightning writes a checkpoint as one
+The callback logs the pipe's figures (hit rate, rows read and written per step, writeback lag:
+``meter.py``) with ``pl_module.log_dict`` as often as Lightning logs, and makes Lightning's
+checkpoints hold the table. Lightning writes a checkpoint as one
 file and does not tell its callbacks where, so each checkpoint's table is a snapshot of its own
 (hard links: only chunks changed since take space), in ``<dirpath>/embedpipe/step-<N>-<id>`` beside the
 checkpoint files, and the checkpoint records its path. ``trainer.fit(ckpt_path=...)`` loads it
@@ -30,6 +32,7 @@ import lightning
 
 from .checkpoints import snapshot
 from .hf import OffloadedEmbedding, ignore_in_ddp
+from .meter import PipeMeter
 from .pipe import EmbeddingPipe
 
 #: The key of the table in a Lightning checkpoint.
@@ -43,6 +46,7 @@ class PipeCallback(lightning.Callback):
         if pipe.optimizer is None:
             raise ValueError("PipeCallback trains the table: give the pipe an optimizer")
         self.pipe = pipe
+        self.meter = PipeMeter(pipe)
 
     def setup(
         self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, stage: str
@@ -54,6 +58,21 @@ class PipeCallback(lightning.Callback):
         for module in pl_module.modules():
             if isinstance(module, OffloadedEmbedding):
                 ignore_in_ddp(pl_module, module)
+
+    def on_train_batch_end(
+        self,
+        trainer: lightning.Trainer,
+        pl_module: lightning.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """The pipe's figures (``meter.py``) into Lightning's log, as often as it logs."""
+        every = max(1, getattr(trainer, "log_every_n_steps", 50))
+        if trainer.global_step % every == 0:
+            figures = self.meter.since_last()
+            if figures:
+                pl_module.log_dict(figures, on_step=True, on_epoch=False, batch_size=1)
 
     def on_save_checkpoint(
         self,

@@ -334,13 +334,16 @@ def test_lightning_clips_accumulates_prefetches_and_checkpoints_the_table(tmp_pa
 
             loader = pipe.loader(data, batch_size=4)  # an iterable: workers would each yield all
             callback = PipeCallback(pipe)
-            lightning_fit(
+            trainer = lightning_fit(
                 model, optimizer, loader, offloaded_inputs, callbacks=[callback], **options
             )
+        metrics.update(trainer.callback_metrics)
         return embedpipe.Table.open(tmp_path / f"{name}.zarr").to_tensor(), model
 
+    metrics = {}
     whole, model = run("whole", root=tmp_path / "whole")
     assert torch.equal(whole, expected)
+    assert 0 <= float(metrics["embedpipe/hit_rate"]) <= 1  # the pipe's figures in Lightning's log
     assert all(torch.equal(v, dense_state(reference)[k]) for k, v in dense_state(model).items())
 
     first_epoch = next((tmp_path / "whole").glob("epoch=0*.ckpt"))

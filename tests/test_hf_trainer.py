@@ -192,3 +192,11 @@ def test_from_pretrained_on_a_checkpoint_folder_loads_the_trained_table(runs):
     assert not info["missing_keys"] and not info["unexpected_keys"]
     with embedpipe.Table.open(checkpoint / "embedpipe-table") as table:
         assert torch.equal(model.get_input_embeddings().weight, table.to_tensor())
+
+
+def test_the_pipes_figures_are_in_the_training_logs(runs):
+    lines = [e for e in runs["trainer"].state.log_history if "loss" in e]
+    assert lines and all("embedpipe/hit_rate" in e for e in lines)
+    assert all(0 <= e["embedpipe/hit_rate"] <= 1 for e in lines)
+    assert all(e["embedpipe/rows_read_per_step"] >= 0 for e in lines)
+    assert all(e["embedpipe/writeback_lag"] >= 0 for e in lines)
