@@ -174,10 +174,10 @@ class EmbeddedBatch(Mapping[str, Any]):
         key, ids, version = seen
         if ids._version == version:
             return None
-        self._ids_seen = (key, ids, ids._version)
         as_gathered = self._unique_ids.to(self._inverse.device)[self._inverse]
         if ids.shape == as_gathered.shape and torch.equal(ids.to(as_gathered.dtype), as_gathered):
-            return None  # written, but with the same ids
+            self._ids_seen = (key, ids, ids._version)  # written, but with the same ids
+            return None
         return ids
 
     @classmethod
@@ -242,7 +242,9 @@ class EmbeddedBatch(Mapping[str, Any]):
         if self._owner is not None and self._ids_seen is not None:
             edited = self._ids_changed()
             if edited is not None:
-                self._owner.relookup(self, edited)
+                self._owner.relookup(self, edited)  # raises: the edit is still seen next time
+                key, ids, _ = self._ids_seen
+                self._ids_seen = (key, ids, ids._version)
 
     @property
     def rows(self) -> torch.Tensor:

@@ -38,6 +38,7 @@ import ctypes
 import fcntl
 import gc
 import os
+import random
 import select
 import signal
 import stat
@@ -48,6 +49,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import torch
 
 #: (batch number, number of ids) before each batch's ids; a number of -1 ends the stream.
 _HEADER = struct.Struct("<qq")
@@ -71,16 +73,26 @@ class IdsReader:
     ) -> None:
         credits_read, credits_write = os.pipe()
         ids_read, ids_write = os.pipe()
+        # a child far behind must never block the DataLoader's draw: credits it has no room
+        # for are dropped (it is a window behind already)
+        os.set_blocking(credits_write, False)
         parent = os.getpid()
-        with warnings.catch_warnings():  # Python 3.12 warns of fork in a threaded process
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
+        state = random.getstate()  # CPython reseeds `random` in a forked child: keep the copy
+        try:
+            with warnings.catch_warnings():  # Python 3.12 warns of fork in a threaded process
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+        except OSError:  # no process to be had (a pids limit, no memory): no foresight
+            for fd in (credits_read, credits_write, ids_read, ids_write):
+                os.close(fd)
+            raise
         if pid == 0:
             code = 1
             try:
                 os.close(credits_write)
                 os.close(ids_read)
                 _leave_the_program(parent, keep=(credits_read, ids_write))
+                random.setstate(state)
                 _serve(batches, ids_of, first, credits_read, ids_write, parent)
                 code = 0
             finally:
@@ -95,7 +107,7 @@ class IdsReader:
         """Let the child read ``batches`` more batches."""
         fd = self._credits
         if fd is not None and batches > 0:
-            with contextlib.suppress(OSError):  # the child ended (its epoch, or an error)
+            with contextlib.suppress(OSError):  # the child ended, or is far behind (EAGAIN)
                 os.write(fd, b"\0" * batches)
 
     def receive(self) -> tuple[int, np.ndarray] | None:
@@ -138,11 +150,12 @@ def _leave_the_program(parent: int, keep: tuple[int, ...]) -> None:
     parent, run none of its signal handlers nor collect its garbage (a finalizer left over from
     before the fork could commit or delete something), write nowhere it writes, and share no
     file offset, socket or pipe with it (:func:`_own_descriptors`)."""
+    gc.freeze()  # first: objects from before the fork are never collected here
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # it died before prctl
         os._exit(0)
-    gc.freeze()  # objects from before the fork are never collected here
+    torch.set_num_threads(1)  # as in a DataLoader worker: no thread pool forked half-way
     for number in signal.valid_signals():  # a SIGTERM handler that saves a checkpoint, say
         with contextlib.suppress(OSError, ValueError, TypeError):
             if callable(signal.getsignal(number)):
@@ -156,7 +169,8 @@ def _own_descriptors(keep: tuple[int, ...]) -> None:
     that seeks and reads a file it opened before the fork would move the parent's offset, and
     one that reads a socket or pipe would take the parent's data. So each regular file is
     reopened as a description of the child's own at the same offset, and every other
-    descriptor (sockets, pipes, terminals) but ``keep`` becomes /dev/null: a dataset that
+    descriptor (sockets, pipes, terminals, folders: a folder's lock would outlive the parent's
+    release of it) but ``keep`` becomes /dev/null: a dataset that
     reads them fails here, which only ends the foresight. Nothing stays writable: a file opened
     for writing only (a log) becomes /dev/null, one opened for reading and writing is reopened
     read-only, and stdin, stdout and stderr are /dev/null."""
@@ -168,8 +182,6 @@ def _own_descriptors(keep: tuple[int, ...]) -> None:
         try:
             mode = os.fstat(fd).st_mode
         except OSError:  # the descriptor listdir itself used
-            continue
-        if stat.S_ISDIR(mode):
             continue
         readable = fd > 2 and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_WRONLY
         if stat.S_ISREG(mode) and readable:
@@ -205,9 +217,10 @@ def _serve(
 
 
 def _wait_for_credit(credits: int, parent: int) -> bool:
+    poller = select.poll()  # not select.select: it refuses descriptors above 1023
+    poller.register(credits, select.POLLIN)
     while True:
-        ready, _, _ = select.select([credits], [], [], 1.0)
-        if ready:
+        if poller.poll(1000):
             return bool(os.read(credits, 1))  # b"": the parent closed the pipe
         if os.getppid() != parent:
             return False

@@ -29,9 +29,11 @@ group that holds the parameter:
   times the group's rate relative to the rate it was built with, ``group["lr"] / built``.
   ``built`` is the group's ``initial_lr`` where a scheduler set one; otherwise the group's rate
   when embedpipe first saw the optimizer: when the pipe was made, at the pipe's first batch, or
-  at the optimizer's first step, whichever came first. So a hand-written warmup (which sets the
-  rate inside the loop, after the batch is drawn), ``ReduceLROnPlateau`` and a rate changed by
-  hand scale the table as they scale the group. embedpipe writes nothing into the group;
+  at the optimizer's first step, whichever came first, kept in the group as
+  ``group["embedpipe_built_lr"]`` so that it travels with ``optimizer.state_dict()`` (a resumed
+  run restores it). So a hand-written warmup (which sets the rate inside the loop, after the
+  batch is drawn), ``ReduceLROnPlateau`` and a rate changed by hand scale the table as they
+  scale the group. A built rate of 0 raises: no factor can follow it;
 - in no optimizer: the row optimizer's ``lr``, stepped by ``pipe.step()``.
 
 Other hyperparameters of the group (AdamW's weight decay, betas, eps) do not apply to the table.
@@ -92,10 +94,6 @@ class TableGradient:
         #: an optimizer that does not hold the parameter stepped while its gradient was pending
         self._passed_over = False
         self._warned_passed_over = False
-        #: per optimizer holding the parameter: each group's rate when first seen
-        self._built: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, float]] = (
-            weakref.WeakKeyDictionary()
-        )
         ref = weakref.ref(self)
 
         def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
@@ -243,12 +241,17 @@ class TableGradient:
         batch. One walk over the objects the garbage collector tracks (milliseconds)."""
         for obj in gc.get_objects():
             if issubclass(type(obj), torch.optim.Optimizer):  # not isinstance: no __class__ call
-                found = _group_of(obj, self.parameter)
+                try:
+                    found = _group_of(obj, self.parameter)
+                except (AttributeError, KeyError, TypeError):  # one that failed to build
+                    continue
                 if found is not None:
                     self._see(obj, *found)
 
     def _see(self, optimizer: torch.optim.Optimizer, index: int, group: dict[str, Any]) -> None:
-        self._built.setdefault(optimizer, {}).setdefault(index, float(group["lr"]))
+        # in the group itself, so that it travels with the optimizer's state_dict (a resumed
+        # run's decayed rate is not taken for the rate the group was built with)
+        group.setdefault(BUILT_LR, float(group["lr"]))
 
     def _group_lr(
         self, optimizer: torch.optim.Optimizer, index: int, group: dict[str, Any]
@@ -257,14 +260,24 @@ class TableGradient:
         lr = float(group["lr"])
         if len(group["params"]) == 1:
             return lr
-        built = group.get("initial_lr")
-        if built is None:
-            built = self._built[optimizer][index]
-        return self.base_lr * (lr / float(built)) if built else None
+        built = group.get("initial_lr", group.get(BUILT_LR))
+        if not built:
+            raise RuntimeError(
+                f"the {type(optimizer).__name__} group that holds the embedding table had a "
+                f"learning rate of {built} when embedpipe first saw it, so the table's rate "
+                "cannot follow it as a factor of its built rate: set group['initial_lr'] to the "
+                "rate the group was built with (as LRScheduler does), or give pipe.parameter a "
+                "group of its own"
+            )
+        return self.base_lr * (lr / float(built))
 
     def close(self) -> None:
         self._hook.remove()
 
+
+#: The key of a shared group's rate when embedpipe first saw it (NOTE [ The table's learning
+#: rate ]); optimizers ignore keys they do not know, and ``state_dict`` carries it.
+BUILT_LR = "embedpipe_built_lr"
 
 #: The attribute ``offload`` sets on the embedding weight it replaces (the table's path).
 OFFLOADED = "_embedpipe_offloaded"

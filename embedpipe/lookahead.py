@@ -176,8 +176,9 @@ class Stream:
         self.dispatched = order.drawn - 1  # the last batch the DataLoader drew (and dispatched)
         self.filled = order.drawn - 1  # the last dispatched batch whose misses were read
         self.filling: int | None = None  # the dispatched batch whose misses are being read
-        self.first_received: int | None = None  # the number of the child's first batch
+        self.first_received = -1  # the number of the child's first batch
         self.last_received = -1  # ... and of its latest
+        self.first_foreseen: int | None = None  # ... and of the first it sent in time
         self.ended = False  # the child sent its last batch (or failed)
         #: per claim: it matched a foreseen batch (None: nothing was foreseen yet)
         self.matched: deque[bool] = deque(maxlen=JUDGED_BATCHES)
@@ -243,8 +244,10 @@ class Stream:
         with self.owner.lock:  # (only this thread takes batches out of in_flight_ids)
             # the batch claimed: the one found, else the next in the DataLoader's order
             number = found if found is not None else self.claimed + 1
-            if self.first_received is not None and number >= self.first_received:
+            if self.first_foreseen is not None and number >= self.first_foreseen:
                 self.matched.append(found is not None)  # else dispatched before foresight began
+            elif self.last_received - self.first_received >= 2 * JUDGED_BATCHES:
+                self.matched.append(False)  # the child never once got ahead: it cannot keep up
             while self.in_flight_ids and self.in_flight_ids[0][0] <= number:
                 self.policy.adjust_held(self.in_flight_ids.popleft()[1], -1)
             self.ready = self.buffers.pop(number, None) if found is not None else None
@@ -305,7 +308,11 @@ class Stream:
         return self.stopped or (self.order.exhausted and not self.in_flight_ids)
 
     def stop(self) -> None:
-        """End the child and the threads, and forget the window (any thread but the stream's)."""
+        """End the child and the threads, and forget the window (any thread but the stream's).
+        Once: a second call (a loader's own stop after the owner ended its stream) must not
+        clear the window another stream has taken since."""
+        if self.stopped:
+            return
         if self.defer is not None:
             self.defer["misses"][0] = 0
         self.ids.close()  # the receiver sees the end
@@ -313,7 +320,8 @@ class Stream:
             self.stopped = True
             self.wake.notify_all()
         with self.owner.lock:
-            self.policy.restart()
+            if self.owner.stream in (self, None):
+                self.policy.restart()
             self.foreseen.clear()
             self.buffers.clear()
             while self.in_flight_ids:
@@ -340,10 +348,12 @@ class Stream:
             with self.owner.lock:
                 if self.stopped:
                     return
-                if self.first_received is None:
+                if self.first_received < 0:
                     self.first_received = number
                 self.last_received = number
                 if number > self.dispatched:  # else the DataLoader got there first
+                    if self.first_foreseen is None:
+                        self.first_foreseen = number
                     self.policy.foresee(ids)
                     self.foreseen.append((number, ids))
 

@@ -273,7 +273,11 @@ class Owner:
                 return None
         if self.stream is not None:
             self.end_stream(self.stream)
-        stream = Stream(self, dataset, ids_key, order, source, defer)  # forks: not under the lock
+        try:
+            stream = Stream(self, dataset, ids_key, order, source, defer)  # forks: not locked
+        except OSError as e:  # fork refused (a pids limit, no memory): train on without it
+            self.look_blind(f"the foresight process could not start ({e.strerror or e})")
+            return None
         with self.lock:
             self.stream = stream
         return stream

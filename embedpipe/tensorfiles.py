@@ -288,6 +288,8 @@ def add_table_to_safetensors(path: Path, table: Table, key: str) -> None:
         with open(path, "rb") as f, open(tmp, "wb") as out:
             size = struct.unpack("<Q", f.read(8))[0]
             header = json.loads(f.read(size))
+            if key in header:
+                raise SourceKeyError(f"{path} already holds a tensor {key!r}")
             tensors = [v for k, v in header.items() if k != "__metadata__"]
             end = max((v["data_offsets"][1] for v in tensors), default=0)
             header[key] = _table_entry(table, end)

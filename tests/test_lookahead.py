@@ -204,7 +204,7 @@ def test_a_step_does_not_read_again_the_rows_its_batch_was_handed(tmp_path, poli
 
 
 class SlowInTheMainProcess(torch.utils.data.Dataset):
-    """Fast in the workers, slow where the lookahead reader fetches (the training process)."""
+    """Fast in the workers, slow where the foresight child reads it (outside the workers)."""
 
     def __init__(self, tokens: np.ndarray) -> None:
         self.tokens = torch.from_numpy(tokens)
@@ -224,7 +224,7 @@ def test_a_reader_that_cannot_keep_up_hands_the_misses_back_to_the_workers(tmp_p
     weight = torch.randn(2000, 4)
     embedpipe.Table.from_tensor(tmp_path / "t.zarr", weight).close()
     handed_back = []
-    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100) as pipe:
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100, policy="lookahead") as pipe:
         loader = pipe.loader(SlowInTheMainProcess(tokens), batch_size=8, num_workers=2)
         for batch in loader:
             assert torch.equal(batch["inputs_embeds"], weight[batch["input_ids"]])
@@ -234,33 +234,31 @@ def test_a_reader_that_cannot_keep_up_hands_the_misses_back_to_the_workers(tmp_p
     assert any(handed_back) and stats["deferred"] < stats["misses"]
 
 
-class SlowList(torch.utils.data.Dataset):
-    """A list of samples, slow to fetch in the training process (where the lookahead reads)."""
+def test_training_stays_exact_when_the_misses_go_back_to_the_workers(tmp_path, monkeypatch):
+    """Misses read by the owner, then handed back mid-epoch (forced at batch 20: when the reader
+    falls behind depends on the machine's load): every row the model and the steps see is still
+    the newest, as nn.Embedding + Adagrad trains it."""
+    from embedpipe.lookahead import Stream
 
-    def __init__(self, samples: list) -> None:
-        self.samples = samples
+    keep_up = Stream._keep_up
 
-    def __len__(self) -> int:
-        return len(self.samples)
+    def hand_back_at_20(self, ready, began, waited):
+        if self.claimed >= 20 and not self.handed_back:
+            self.defer["misses"][0] = 0
+            self.handed_back = True
+        return keep_up(self, ready, began, waited)
 
-    def __getitem__(self, i: int) -> dict:
-        if torch.utils.data.get_worker_info() is None:
-            time.sleep(0.004)
-        return self.samples[i]
-
-
-def test_training_stays_exact_when_the_misses_go_back_to_the_workers(tmp_path):
-    """Misses read by the owner, then handed back mid-epoch (the reader falls behind): every row
-    the model and the steps see is still the newest, as nn.Embedding + Adagrad trains it."""
+    monkeypatch.setattr(Stream, "_keep_up", hand_back_at_20)
     data = zipf_dataset(40 * 8)
     reference, _, _ = train_reference(data, "adagrad", lr=0.5)
     table, _, stats, _ = train_offloaded(
-        SlowList(data),
+        data,
         "adagrad",
         lr=0.5,
         path=tmp_path / "t.zarr",
         cache_rows=VOCAB // 20,
         num_workers=2,
+        policy="lookahead",
     )
     assert 0 < stats["deferred"] < stats["misses"]  # some misses left to the owner, not all
     assert stats["staged"] > 0
@@ -359,3 +357,33 @@ def test_the_foresight_child_shares_no_file_offset_with_the_dataset(tmp_path):
             time.sleep(0.01)  # a model's step: the child reads ahead meanwhile
         assert not pipe._owner.blind  # the child read the file right too
     dataset.file.close()
+
+
+class RandomIndices(torch.utils.data.Sampler):
+    """Draws each index from ``random`` as the DataLoader asks for it (CPython reseeds
+    ``random`` in a forked child: the child must get the parent's state back)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        import random
+
+        for _ in range(self.n):
+            yield random.randrange(self.n)
+
+
+def test_foresight_draws_a_lazy_sampler_from_the_parents_random_state(tmp_path):
+    embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
+    tokens = np.random.default_rng(5).integers(0, 2000, size=(400, 16))
+    data = [{"input_ids": torch.from_numpy(t)} for t in tokens]
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100) as pipe:
+        for batch in pipe.loader(data, batch_size=8, sampler=RandomIndices(400)):
+            batch["inputs_embeds"]
+            time.sleep(0.005)  # a model's step: the child reads ahead meanwhile
+            stream = pipe._owner.stream
+            matched = list(stream.matched) if stream is not None else matched
+        assert not pipe._owner.blind and sum(matched) == len(matched) > 0

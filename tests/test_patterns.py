@@ -448,3 +448,33 @@ def test_a_model_rebuilt_to_resume_takes_an_offloaded_embedding_by_hand(tmp_path
     expected = embedpipe.Table.open(tmp_path / "straight.zarr").to_tensor()
     assert torch.equal(embedpipe.Table.open(tmp_path / "resumed.zarr").to_tensor(), expected)
     assert torch.equal(rebuilt.lin.weight, straight.lin.weight)
+
+
+def test_a_resumed_optimizer_scales_the_table_from_the_rate_it_was_built_with(tmp_path):
+    """ReduceLROnPlateau halving a shared group's rate, the optimizer saved and loaded in the
+    middle: the table's rate keeps following the first run's built rate (it travels in the
+    optimizer's state_dict), as one uninterrupted run."""
+
+    def run(name, split):
+        model = Toy()
+        with offloaded(tmp_path, model, name) as pipe:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+            for k, batch in enumerate(pipe.loader(samples(24), batch_size=4)):
+                if k == split:  # "a new process": a new optimizer, its state loaded
+                    state = optimizer.state_dict()
+                    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+                    optimizer.load_state_dict(state)
+                    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
+                        optimizer, factor=0.5, patience=0
+                    )
+                    plateau.step(1.0)
+                loss(model, batch, True).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                plateau.step(1.0)  # never improves: halves the rate every step
+            out = table(pipe)
+        pipe.table.close()
+        return out
+
+    assert torch.equal(run("straight.zarr", None), run("resumed.zarr", 3))
