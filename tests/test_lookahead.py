@@ -380,6 +380,7 @@ def test_foresight_draws_a_lazy_sampler_from_the_parents_random_state(tmp_path):
     embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
     tokens = np.random.default_rng(5).integers(0, 2000, size=(400, 16))
     data = [{"input_ids": torch.from_numpy(t)} for t in tokens]
+    matched: list[bool] = []
     with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100) as pipe:
         for batch in pipe.loader(data, batch_size=8, sampler=RandomIndices(400)):
             batch["inputs_embeds"]
