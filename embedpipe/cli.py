@@ -73,7 +73,9 @@ def cmd_info(args: argparse.Namespace) -> None:
 def print_info(info: dict[str, Any]) -> None:
     for name, value in info.items():
         if name == "checkpoints":
-            value = "  ".join(f"step {c['step']} ({c['time']})" for c in value) or "none"
+            # by commit: two can hold one step (a metadata change commits the same step again)
+            value = "  ".join(f"#{c['seq']} step {c['step']} ({c['time']})" for c in value)
+            value = value or "none"
         elif name == "shards":
             value = describe_shards(value)
         print(f"{name:<16}{value}")
@@ -270,7 +272,8 @@ def table_info(table: Table) -> dict[str, Any]:
         "keep": meta.get("keep", "-"),
         "shards": meta.get("shards"),  # {"ranks", "bounds"}, or None: trained by one process
         "checkpoints": [
-            {"step": c.step, "time": c.time, "path": c.path} for c in table.checkpoints
+            {"seq": c.seq, "step": c.step, "time": c.time, "path": c.path}
+            for c in table.checkpoints
         ],
     }
 
