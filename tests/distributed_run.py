@@ -258,7 +258,9 @@ def lose(folder: str, how: str) -> None:
     ddp = DDP(model)
     pipe = make_pipe(path, "sgd", timeout=float(os.environ.get("PIPE_TIMEOUT", "300")))
     opt = optimizer_for(model, pipe, "sgd")
-    samples = data()
+    # a heavy field: the workers' result queue fills while rank 1 sleeps before its kill, the
+    # case where its workers used to hang in their exit, holding its sockets
+    samples = [{**s, "blob": torch.zeros(256 * 1024, dtype=torch.uint8)} for s in data()]
     loader = pipe.loader(samples, batch_size=BATCH, sampler=sampler(samples), num_workers=2)
     start = time.monotonic()
     try:
@@ -267,6 +269,7 @@ def lose(folder: str, how: str) -> None:
                 pipe.checkpoint()
             if step == 3 and dist.get_rank() == 1:
                 if how == "kill":
+                    time.sleep(2)  # the workers fill the result queue meanwhile
                     os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(3600)
             start = time.monotonic()

@@ -255,9 +255,11 @@ def _outcome(folder, rank: int, procs: list[subprocess.Popen], limit: float) -> 
 
 
 # A killed rank's connections close when its last process is gone: its DataLoader workers hold
-# the sockets they inherited until their watchdog sees the parent gone (torch checks every 5 s).
-# So a kill is seen within seconds, well inside a timeout long enough to tell the two apart, and
-# a hang at the timeout. These are bounds the issue asks for, not speed: both are generous.
+# the sockets they inherited until they see their parent gone (every 0.25 s: NOTE [ Workers die
+# with the training process ]; before, with their result queue full they hung for good). So a
+# kill is seen within seconds (the issue asks for about 10, whatever the batch size: the
+# scenario's batches carry 1 MiB each), well inside a timeout long enough to tell the two apart,
+# and a hang at the timeout.
 TIMEOUTS = {"kill": 60, "hang": 6}
 
 
@@ -273,8 +275,8 @@ def test_a_rank_that_dies_or_hangs_makes_the_other_raise_in_bounded_time(tmp_pat
             p.wait()
     assert outcome["error"] == "PeerLostError", outcome
     assert "rank 0 of 2" in outcome["message"] and "last checkpoint" in outcome["message"]
-    if how == "kill":
-        assert outcome["after"] < timeout / 2, outcome  # seen by its connections, not the timeout
+    if how == "kill":  # seen by its connections, not the timeout (2 s of it the rank slept)
+        assert outcome["after"] < 12, outcome
     else:
         assert timeout - 1 <= outcome["after"] < 3 * timeout, outcome  # the timeout, bounded
     table = embedpipe.Table.open(tmp_path / "table.zarr")
