@@ -537,13 +537,7 @@ class Owner:
             changed = self.table._modified or self.cache.dirty.any()
             if changed or self.applied_step != self.table.step:
                 self._commit()  # raises on a full disk: close() may be called again
-            if isinstance(error, TableWriteError):  # its message said where the table reopens
-                failed = str(error).split("; the table reopens", 1)[0]
-                error = TableWriteError(
-                    error.errno,
-                    f"{failed}; close() committed the steps applied before it: the table "
-                    f"reopens at step {self.table.step}",
-                )
+            self.correct(error)  # its message said where the table reopens
         elif not hung:
             self.table._roll_back()  # nothing trustworthy to commit: back to the last checkpoint
         self.table._release_claim()
@@ -552,6 +546,18 @@ class Owner:
         elif self.owns_table:
             self.table.close()
         return error
+
+    def correct(self, error: object) -> None:
+        """A commit followed ``error`` (``close()`` after the writeback failed, or leaving the
+        pipe's ``with`` block with the error on its way): a table write error said the table
+        reopens at the checkpoint before it; make it say the step it reopens at now."""
+        if isinstance(error, TableWriteError) and error.strerror:
+            failed = error.strerror.split("; the table reopens", 1)[0]
+            if failed != error.strerror:
+                error.strerror = (
+                    f"{failed}; the steps applied before it were committed when the pipe "
+                    f"closed: the table reopens at step {self.table.step}"
+                )
 
     def check_open(self) -> None:
         if self.closed:

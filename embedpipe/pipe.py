@@ -176,7 +176,8 @@ class EmbeddingPipe:
                 table.close()
             raise
         self.table = table
-        self._owner.embeds_dtype = self._embeds_dtype
+        # a function of the table, not a method: the owner must not keep the pipe alive
+        self._owner.embeds_dtype = partial(_embeds_dtype, table.path, table.dtype)
         self.optimizer = optimizer
         self.consistency = consistency
         self.padding_idx = padding_idx
@@ -260,16 +261,6 @@ class EmbeddingPipe:
         embeddings.attach(self.parameter)
         ignore_in_ddp(model, embeddings)
 
-    def _embeds_dtype(self) -> torch.dtype | None:
-        """The dtype of the models offloaded to this table, if they agree on one other than
-        the table's: a model cast after ``offload`` (``model.half()``, ``.double()``) gets
-        ``inputs_embeds`` in its own dtype, as its embedding would have given them."""
-        dtypes = {p.dtype for p in offloaded_embeddings(self.table.path)}
-        if len(dtypes) != 1:
-            return None
-        dtype = dtypes.pop()
-        return None if dtype == getattr(torch, self.table.dtype.name) else dtype
-
     def step(self) -> bool:
         """Apply the pending gradient as one table step, at the row optimizer's learning rate.
 
@@ -343,12 +334,13 @@ class EmbeddingPipe:
     def __enter__(self) -> EmbeddingPipe:
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, *rest: object) -> None:
         try:
             self._owner.close(raise_errors=exc_type is None)  # don't hide the error on its way
         finally:
             if self._owner.closed:
                 self._finalizer.detach()
+                self._owner.correct(exc)  # what the error on its way said of the table
 
     def __repr__(self) -> str:
         owner = self._owner
@@ -356,6 +348,17 @@ class EmbeddingPipe:
             f"EmbeddingPipe({self.table.path!r}, cache_rows={owner.shared.cache_rows}, "
             f"optimizer={self.optimizer}, consistency={self.consistency!r})"
         )
+
+
+def _embeds_dtype(path: str, table_dtype: np.dtype) -> torch.dtype | None:
+    """The dtype of the models offloaded to the table at ``path``, if they agree on one other
+    than the table's: a model cast after ``offload`` (``model.half()``, ``.double()``) gets
+    ``inputs_embeds`` in its own dtype, as its embedding would have given them."""
+    dtypes = {p.dtype for p in offloaded_embeddings(path)}
+    if len(dtypes) != 1:
+        return None
+    dtype = dtypes.pop()
+    return None if dtype == getattr(torch, table_dtype.name) else dtype
 
 
 #: Finalizers of the pipes made (a dead one, of a pipe closed or collected, does nothing).
