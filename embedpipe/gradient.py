@@ -199,22 +199,21 @@ class TableGradient:
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
         """torch's global step pre-hook: ``args`` is ``(optimizer, *step args)``."""
-        found = _group_of(optimizer, self.parameter)
-        if found is None:
+        group = _group_of(optimizer, self.parameter)
+        if group is None:
             _refuse_stale(optimizer)
             if self.pending:
                 self._passed_over = True  # warned about at the next backward if still pending
             return None
-        index, group = found
         if isinstance(optimizer, torch.optim.LBFGS):
             raise RuntimeError(
                 "LBFGS cannot train an offloaded table: its line search re-evaluates the loss "
                 "at trial points of every parameter; leave pipe.parameter out of it"
             )
-        self._see(optimizer, index, group)
+        _see(group)
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if closure is None:
-            self.step(self._group_lr(optimizer, index, group))
+            self.step(self._group_lr(optimizer, group))
             return None
         calls = 0
 
@@ -227,7 +226,7 @@ class TableGradient:
                     "table takes one gradient per step (optimizers such as LBFGS are not supported)"
                 )
             out = closure()
-            self.step(self._group_lr(optimizer, index, group))
+            self.step(self._group_lr(optimizer, group))
             return out
 
         if len(args) > 1:
@@ -242,20 +241,13 @@ class TableGradient:
         for obj in gc.get_objects():
             if issubclass(type(obj), torch.optim.Optimizer):  # not isinstance: no __class__ call
                 try:
-                    found = _group_of(obj, self.parameter)
+                    group = _group_of(obj, self.parameter)
                 except (AttributeError, KeyError, TypeError):  # one that failed to build
                     continue
-                if found is not None:
-                    self._see(obj, *found)
+                if group is not None:
+                    _see(group)
 
-    def _see(self, optimizer: torch.optim.Optimizer, index: int, group: dict[str, Any]) -> None:
-        # in the group itself, so that it travels with the optimizer's state_dict (a resumed
-        # run's decayed rate is not taken for the rate the group was built with)
-        group.setdefault(BUILT_LR, float(group["lr"]))
-
-    def _group_lr(
-        self, optimizer: torch.optim.Optimizer, index: int, group: dict[str, Any]
-    ) -> float | None:
+    def _group_lr(self, optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> float | None:
         """The table's learning rate for a step by ``group`` (see the NOTE)."""
         lr = float(group["lr"])
         if len(group["params"]) == 1:
@@ -283,14 +275,17 @@ BUILT_LR = "embedpipe_built_lr"
 OFFLOADED = "_embedpipe_offloaded"
 
 
-def _group_of(
-    optimizer: torch.optim.Optimizer, parameter: nn.Parameter
-) -> tuple[int, dict[str, Any]] | None:
-    """The index and the group of ``optimizer`` that holds ``parameter``, if one does."""
-    for index, group in enumerate(optimizer.param_groups):
-        if any(p is parameter for p in group["params"]):
-            return index, group
-    return None
+def _group_of(optimizer: torch.optim.Optimizer, parameter: nn.Parameter) -> dict[str, Any] | None:
+    """The group of ``optimizer`` that holds ``parameter``, if one does."""
+    return next(
+        (g for g in optimizer.param_groups if any(p is parameter for p in g["params"])), None
+    )
+
+
+def _see(group: dict[str, Any]) -> None:
+    """Note the group's rate as first seen, in the group itself, so that it travels with the
+    optimizer's state_dict (a resumed run's decayed rate is not taken for the built one)."""
+    group.setdefault(BUILT_LR, float(group["lr"]))
 
 
 def _refuse_stale(optimizer: torch.optim.Optimizer) -> None:

@@ -17,6 +17,7 @@ says how much accelerator memory the table costs while it lives in the model. Wo
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from collections.abc import Iterator
@@ -53,10 +54,17 @@ class EmbeddingsOffloadedError(EmbedpipeError, RuntimeError, AttributeError):
 _OFFLOADED: dict[str, list[weakref.ref[OffloadedEmbedding]]] = {}
 
 
+@functools.lru_cache(maxsize=64)
+def _resolved(path: str) -> str:
+    """The registry's key for ``path``; cached: a batch asks for its table's modules at every
+    read (their dtype), and ``realpath`` makes a system call per part of the path."""
+    return os.path.realpath(path)
+
+
 def offloaded_embeddings(path: str) -> list[OffloadedEmbedding]:
     """The modules offloaded to the table at ``path`` in this process and still alive, newest
     first (a notebook cell run again offloads a new model over the same path)."""
-    refs = _OFFLOADED.get(os.path.realpath(path), [])
+    refs = _OFFLOADED.get(_resolved(path), [])
     refs[:] = [r for r in refs if r() is not None]
     return [m for m in (r() for r in reversed(refs)) if m is not None]
 
@@ -95,7 +103,7 @@ class OffloadedEmbedding(nn.Module):
         self.dtype, self.device = dtype, torch.device(device)
         self.register_parameter("rows", None)
         # a pipe made on the table from now on finds it (and attaches its parameter to it)
-        _OFFLOADED.setdefault(os.path.realpath(path), []).append(weakref.ref(self))
+        _OFFLOADED.setdefault(_resolved(path), []).append(weakref.ref(self))
 
     def attach(self, parameter: nn.Parameter) -> None:
         """Hold a pipe's gradient parameter as ``rows`` (replacing an earlier pipe's)."""

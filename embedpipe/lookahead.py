@@ -180,7 +180,7 @@ class Stream:
         self.last_received = -1  # ... and of its latest
         self.first_foreseen: int | None = None  # ... and of the first it sent in time
         self.ended = False  # the child sent its last batch (or failed)
-        #: per claim: it matched a foreseen batch (None: nothing was foreseen yet)
+        #: per claim judged (from the first batch foreseen in time): it matched a foreseen one
         self.matched: deque[bool] = deque(maxlen=JUDGED_BATCHES)
         self.blind = False  # ``auto`` gave up: foresight kept missing
         self.defer = defer

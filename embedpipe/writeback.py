@@ -82,9 +82,7 @@ class Writeback:
         self.stall_seconds = STALL_SECONDS
         self._idle_polls = 0  # times the thread found the queue empty for IDLE_SECONDS
         self._error: tuple[int, BaseException] | None = None
-        #: The last idle write's error, None once one succeeds (not the thread's error).
-        self.idle_error: OSError | None = None
-        self._warned_idle = False
+        self._warned_idle = False  # a failed idle write warned (once: it is retried anyway)
         self._thread = threading.Thread(target=self._run, name="embedpipe-writeback", daemon=True)
         self._thread.start()
 
@@ -203,13 +201,12 @@ class Writeback:
     def _run_idle(self, step: int) -> None:
         """The idle work: writing rows ahead of need. A failed write loses nothing (the rows
         stay dirty in the cache, for the write that needs them), so it is no error of the
-        thread's: it warns once and is tried again after the next step, and a write that
-        succeeds later clears it (a disk that was full and has room again)."""
+        thread's: it warns once and is tried again after the next step, so a disk that was full
+        and has room again just works on."""
         try:
             self._idle()
-            self.idle_error = None
         except OSError as e:
-            if self.idle_error is None and not self._warned_idle:
+            if not self._warned_idle:
                 self._warned_idle = True
                 warnings.warn(
                     f"writing cold rows of the cache ahead of need failed after step {step} "
@@ -219,6 +216,5 @@ class Writeback:
                     RuntimeWarning,
                     stacklevel=1,
                 )
-            self.idle_error = e
         except BaseException as e:
             self._error = (step, e)
