@@ -68,6 +68,7 @@ def launch(*args: str, env: dict[str, str] | None = None) -> list[subprocess.Pop
             env={
                 **os.environ,
                 **(env or {}),
+                "PYTHONFAULTHANDLER": "1",  # an abort prints every thread's Python stack
                 "RANK": str(rank),
                 "LOCAL_RANK": str(rank),
                 "WORLD_SIZE": "2",

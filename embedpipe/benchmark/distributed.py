@@ -79,7 +79,8 @@ def launch(ranks: int, config_path: str, timeout: float) -> None:
     command += ["-m", f"{__package__}.distributed_rank", config_path]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    # faulthandler: a rank that aborts (SIGABRT, SIGSEGV) prints every thread's Python stack.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "PYTHONFAULTHANDLER": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{ranks} ranks failed ({done.returncode}):\n{done.stderr[-4000:]}")

@@ -31,7 +31,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import numpy as np
@@ -68,7 +68,7 @@ def dataset(config: dict[str, Any], world: int) -> TraceDataset:
     return TraceDataset(ids)
 
 
-def forever(loader: Any) -> Iterator[Any]:
+def forever(loader: Any) -> Generator[Any, None, None]:
     while True:
         yield from loader
 
@@ -186,6 +186,9 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
                 out[f"{name}_rates"].append(rate)
         after = pipe.counters()
     finally:
+        # The loops' iterators end here, not in the interpreter's teardown (with gloo's threads).
+        pipe.batches.close()
+        replicated.batches.close()
         pipe.pipe.close()
     table = Table.open(config["table"])
     bounds = split(table.num_rows, table.chunk_rows, world) if world > 1 else [0, table.num_rows]
