@@ -7,12 +7,14 @@ rows up inside the DataLoader through one shared cache and trains them with a sp
 
 __version__ = "0.1.0"
 
-from . import collate, errors, hf, optim
-from .batch import EmbeddedBatch
-from .convert import ConvertedShard, convert
-from .pipe import EmbeddingPipe
-from .table import Table
-from .tensorfiles import export_table, import_table
+from . import errors, hf, optim
+from .pipe.handle import EmbeddingPipe
+from .store.table import Table
+from .store.transfer import export_table, import_table
+from .tools.convert import convert
+from .tools.converted import ConvertedShard
+from .worker import collate
+from .worker.batch import EmbeddedBatch
 
 __all__ = [
     "ConvertedShard",

@@ -132,3 +132,10 @@ class ConversionExistsError(EmbedpipeError, FileExistsError):
 
 class IncompleteConversionError(EmbedpipeError, ValueError):
     """A converted shard whose conversion never finished (killed or failed); ``--resume`` it."""
+
+
+class EmbeddingsOffloadedError(EmbedpipeError, RuntimeError, AttributeError):
+    """The model's word embeddings were offloaded; it takes ``inputs_embeds``, not ``input_ids``.
+
+    Also an ``AttributeError``, so ``hasattr(model.get_input_embeddings(), "weight")`` is False.
+    """

@@ -30,10 +30,10 @@ from typing import Any
 
 import lightning
 
-from .checkpoints import snapshot
-from .hf import OffloadedEmbedding, ignore_in_ddp
-from .meter import PipeMeter
-from .pipe import EmbeddingPipe
+from .pipe.handle import EmbeddingPipe
+from .pipe.meter import PipeMeter
+from .pipe.placeholder import OffloadedEmbedding, ignore_in_ddp
+from .store.checkpoints import snapshot
 
 #: The key of the table in a Lightning checkpoint.
 CHECKPOINT_KEY = "embedpipe"

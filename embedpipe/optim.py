@@ -22,7 +22,7 @@ sparse gradient. Momentum and weight decay are left out, as torch rejects them w
 gradients; ``eps`` must be > 0 (Adagrad in torch accepts 0, which turns a present row with a
 zero gradient and a zero accumulator into NaN).
 
-Parity (torch 2.13, CPU, float32 and float64; ``tests/test_optim.py``). Each ``update`` repeats
+Parity (torch 2.13, CPU, float32 and float64; ``tests/owner/test_optim.py``). Each ``update`` repeats
 the op sequence of the torch code path it matches, so given the same per-id gradient all three
 are **bitwise** equal to torch, tables and state alike (30 steps, lr 0.5 / 0.5 / 0.1, Zipf ids):
 ``SGD`` and ``Adagrad`` to ``nn.Embedding`` (dense gradient) with ``torch.optim.SGD`` /

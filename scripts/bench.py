@@ -4,6 +4,6 @@ The benchmark lives in ``embedpipe/benchmark/``; ``--help`` lists its options, d
 says what it measures.
 """
 
-from embedpipe.benchmark import main
+from embedpipe.tools.benchmark import main
 
 raise SystemExit(main())

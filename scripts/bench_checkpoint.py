@@ -61,7 +61,7 @@ import zarr
 
 import embedpipe
 from embedpipe.pipe import EmbeddingPipe
-from embedpipe.table import Table
+from embedpipe.store.table import Table
 
 try:
     import icechunk

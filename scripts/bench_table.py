@@ -1,7 +1,7 @@
 """Benchmark random row reads and scattered row writes of an embedpipe Table, per chunk size.
 
 For a ``rows x dim`` float32 table and each chunk size (``--chunks`` plus the library's default
-from :func:`embedpipe.table.default_chunk_rows`) it measures:
+from :func:`embedpipe.store.layout.default_chunk_rows`) it measures:
 
 * random-row reads (rows/s) of uniformly random unique ids, per ``--batches`` size, from a warm
   page cache, through four paths on the same bytes:
@@ -52,8 +52,9 @@ import zarr
 from tqdm.auto import tqdm
 
 import embedpipe
-from embedpipe.rowstore import RawRows
-from embedpipe.table import CHUNK_BYTES, WEIGHT, Table, default_chunk_rows
+from embedpipe.store.layout import CHUNK_BYTES, WEIGHT, default_chunk_rows
+from embedpipe.store.rowstore import RawRows
+from embedpipe.store.table import Table
 
 
 # ----------------------------------------------------------------------------- arguments

@@ -43,32 +43,32 @@ import torch
 from torch.utils.data import Dataset
 
 import embedpipe
-from embedpipe.benchmark.traces import TraceDataset, table_path, zipf_trace
+from embedpipe.tools.benchmark.traces import TraceDataset, table_path, zipf_trace
 
 #: (label, "module:attribute path") of every timed stage, outermost first. Labels that start with
 #: "main" run in the main process, "worker" in a worker (or in the main process with no workers);
 #: the indent says which stage a stage is part of. A path that does not exist is skipped.
 STAGES = (
-    ("main: claim", "embedpipe.loader:PipeSource.claim"),
-    ("  ring copy", "embedpipe.ring:BatchRing.read"),
-    ("  hand-off", "embedpipe.owner:Owner.hand_off"),
-    ("    rows from the cache/table", "embedpipe.cache:RowCache.current"),
-    ("    admission", "embedpipe.cache:RowCache.admit"),
-    ("    rows the reader read ahead", "embedpipe.lookahead:Stream.take"),
+    ("main: claim", "embedpipe.pipe.loader:PipeSource.claim"),
+    ("  ring copy", "embedpipe.cache.ring:BatchRing.read"),
+    ("  hand-off", "embedpipe.owner.owner:Owner.hand_off"),
+    ("    rows from the cache/table", "embedpipe.cache.rowcache:RowCache.current"),
+    ("    admission", "embedpipe.cache.rowcache:RowCache.admit"),
+    ("    rows the reader read ahead", "embedpipe.owner.lookahead:Stream.take"),
     ("main: receive (unpickle)", "multiprocessing.reduction:ForkingPickler.loads"),
-    ("main: inputs_embeds", "embedpipe.batch:EmbeddedBatch.__getitem__"),
-    ("main, lookahead thread: batch ids", "embedpipe.lookahead:Stream._ids"),
-    ("main, lookahead thread: rows read", "embedpipe.lookahead:Stream._fill"),
-    ("worker: samples, checked one by one", "embedpipe.worker:CheckedDataset.__getitem__"),
-    ("worker: samples, checked as a batch", "embedpipe.worker:CheckedDataset.__getitems__"),
-    ("worker: lookup", "embedpipe.worker:Lookup.__call__"),
-    ("  collate", "embedpipe.collate:PadCollator.__call__"),
-    ("  batch id check", "embedpipe.worker:as_ids"),
-    ("  unique + inverse", "embedpipe.worker:unique_inverse"),
-    ("  cache hits (seqlock)", "embedpipe.cache:SharedRows.read"),
-    ("  disk reads", "embedpipe.rowstore:RawRows.read"),
-    ("    chunk stat/open", "embedpipe.rowstore:RawRows._opened"),
-    ("  ring write", "embedpipe.ring:BatchRing.write"),
+    ("main: inputs_embeds", "embedpipe.worker.batch:EmbeddedBatch.__getitem__"),
+    ("main, lookahead thread: batch ids", "embedpipe.owner.lookahead:Stream._ids"),
+    ("main, lookahead thread: rows read", "embedpipe.owner.lookahead:Stream._fill"),
+    ("worker: samples, checked one by one", "embedpipe.worker.lookup:CheckedDataset.__getitem__"),
+    ("worker: samples, checked as a batch", "embedpipe.worker.lookup:CheckedDataset.__getitems__"),
+    ("worker: lookup", "embedpipe.worker.lookup:Lookup.__call__"),
+    ("  collate", "embedpipe.worker.collate:PadCollator.__call__"),
+    ("  batch id check", "embedpipe.worker.lookup:as_ids"),
+    ("  unique + inverse", "embedpipe.worker.lookup:unique_inverse"),
+    ("  cache hits (seqlock)", "embedpipe.cache.rowcache:SharedRows.read"),
+    ("  disk reads", "embedpipe.store.rowstore:RawRows.read"),
+    ("    chunk stat/open", "embedpipe.store.rowstore:RawRows._opened"),
+    ("  ring write", "embedpipe.cache.ring:BatchRing.write"),
     ("worker: send (pickle)", "multiprocessing.reduction:ForkingPickler.dumps"),
 )
 PROCESSES = 17  # rows of the shared totals: the main process, then up to 16 workers

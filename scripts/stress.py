@@ -2,7 +2,7 @@
 
 Training through embedpipe is deterministic: a run of ``scripts/train_bert.py`` with its default
 seed ends at one loss whatever the machine does meanwhile, and a run killed with SIGKILL and
-resumed ends bit for bit where the uninterrupted run ends (``tests/test_crash.py``). This script
+resumed ends bit for bit where the uninterrupted run ends (``tests/store/test_crash.py``). This script
 runs each ``--repeats`` times while ``--load`` busy processes compete for the cores, and prints
 every result and whether they all agree; it exits 1 if they do not::
 
@@ -49,7 +49,7 @@ def crash() -> str:
     """The kill/resume test: killed at five points, resumed, compared bit for bit."""
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "tests/test_crash.py::test_kills_at_five_points_reopen_at_the_last_checkpoint_and_resume_exactly"],
+         "tests/store/test_crash.py::test_kills_at_five_points_reopen_at_the_last_checkpoint_and_resume_exactly"],
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     return "bit for bit" if out.returncode == 0 else f"FAILED: {out.stdout.strip()[-300:]}"

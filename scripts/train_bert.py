@@ -49,7 +49,7 @@ from transformers import BertConfig, BertForSequenceClassification
 
 import embedpipe
 import embedpipe.hf
-from embedpipe.benchmark.options import integer
+from embedpipe.tools.benchmark.options import integer
 
 PAD, CLS = 0, 1  # ids 0 and 1 are [PAD] and [CLS]; words are ids 2 .. vocab-1
 NUM_MARKERS = 8

@@ -326,7 +326,7 @@ def frameworks(folder: str) -> None:
 
 def trainer_run(folder: str, accumulation: str) -> None:
     from tests.frameworks import VOCAB, bert, offloaded, samples
-    from tests.test_hf_trainer import ReferenceTrainer, arguments, grad_norms
+    from tests.hf.test_hf_trainer import ReferenceTrainer, arguments, grad_norms
 
     data = samples(32)  # 4 batches of 4 a rank an epoch
     every = 4 // int(accumulation)  # a checkpoint half-way: 8 batches a rank, 2 epochs

@@ -8,7 +8,13 @@ must agree.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import subprocess
+from typing import Any
+
 import numpy as np
+import pytest
 import torch
 from transformers import BertForSequenceClassification
 
@@ -176,3 +182,25 @@ def small_samples(n: int, bad: dict[int, int] | None = None) -> list[dict]:
 def same_dense_params(a, b) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return all(torch.equal(sa[k], sb[k]) for k in sa if "word_embeddings" not in k)
+
+
+def run_cli(*args: object) -> subprocess.CompletedProcess:
+    """``embedpipe ARGS`` in this process, as the command's ``main`` runs it: its exit code and
+    what it printed (a new process would spend about 4 s importing torch for each case; the
+    tests that need a real process start one)."""
+    from embedpipe.tools.cli import main
+
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's usage errors and --help
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return subprocess.CompletedProcess(["embedpipe", *argv], code, out.getvalue(), err.getvalue())
+
+
+def slow(*values: object) -> Any:
+    """One case of a parametrized grid, run in the slow group (``--run-slow -m slow``, as CI
+    does) rather than by the README's test command."""
+    return pytest.param(*values, marks=pytest.mark.slow)

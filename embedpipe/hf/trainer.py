@@ -1,0 +1,319 @@
+"""``embedpipe.hf.Trainer``: a ``transformers.Trainer`` whose word embeddings live in a pipe.
+
+Used exactly like ``transformers.Trainer``, with one more argument::
+
+    table = embedpipe.hf.offload(model, "vocab.zarr")
+    pipe = embedpipe.EmbeddingPipe(table, cache_rows=..., optimizer=embedpipe.optim.Adagrad(lr=0.05))
+    trainer = embedpipe.hf.Trainer(model=model, args=args, train_dataset=ds, pipe=pipe)
+    trainer.train()
+
+What it changes, and nothing else:
+
+- **Loaders.** Every loader Trainer builds (training, evaluation, prediction) is ``pipe.loader``
+  with Trainer's own sampler, batch size, workers and collator: ``get_train_dataloader``,
+  ``get_eval_dataloader`` and ``get_test_dataloader`` do what Trainer's do, building the loader
+  with ``pipe.loader`` where Trainer calls ``DataLoader``. Accelerate prepares it like any
+  DataLoader (device placement, its one-ahead fetch, ``skip_first_batches`` on resume).
+- **Inputs.** A batch reaches the model as ``inputs_embeds`` (made on the device, from the rows
+  made final there) plus the other fields; the ids are left out, as models refuse both.
+- **Optimizer.** The table's gradient parameter gets a group of its own in Trainer's optimizer,
+  at the row optimizer's learning rate and no weight decay: ``max_grad_norm`` clips it within
+  the one global norm (the logged ``grad_norm`` counts it), ``gradient_accumulation_steps`` sums
+  it, the scheduler scales it, and Trainer's ``optimizer.step()`` steps the table.
+- **Logs.** Every training log line (the loss's) carries the pipe's figures: hit rate, rows
+  read and written per step, writeback lag (``embedpipe/...``, ``meter.py``).
+- **Checkpoints.** Every ``checkpoint-N/`` holds ``embedpipe-table/``, a snapshot of the table
+  at step N (hard links, see ``Table`` checkpoints), written before Trainer's own files (under
+  ``torchrun``, by every rank's shard together: ``docs/scale-out.md``);
+  ``train(resume_from_checkpoint=...)`` and ``load_best_model_at_end`` load it back, into any
+  table of the same shape. ``save_model()`` writes a folder ``from_pretrained`` loads with the
+  trained word embeddings in it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers.trainer_pt_utils import BatchRebalanceSampler
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, is_datasets_available
+
+from ..pipe.handle import EmbeddingPipe
+from ..pipe.meter import PipeMeter
+from ..store.table import Table
+from ..store.transfer import add_table_to_safetensors, export_table
+from ..worker.batch import INPUTS_EMBEDS, EmbeddedBatch
+from ..worker.collate import PadCollator
+
+if is_datasets_available():
+    import datasets
+
+#: The folder inside each of Trainer's checkpoint folders that holds the table's snapshot.
+TABLE_FOLDER = "embedpipe-table"
+#: The shard of a sharded checkpoint's model files that holds the word embeddings.
+EMBEDDINGS_SHARD = "model-embedpipe-word-embeddings.safetensors"
+
+
+class Trainer(transformers.Trainer):
+    """``transformers.Trainer`` with its word embeddings in ``pipe`` (see the module doc).
+
+    ``pipe`` must train the table (have an optimizer) and be made over the table the model was
+    offloaded to; ``ids_key`` is the field of the token ids (``"input_ids"``). Without a
+    ``data_collator`` or tokenizer, ragged token lists are padded with the pipe's
+    ``padding_idx`` (:class:`~embedpipe.worker.collate.PadCollator`).
+    """
+
+    def __init__(
+        self, *args: Any, pipe: EmbeddingPipe, ids_key: str = "input_ids", **kwargs: Any
+    ) -> None:
+        if not isinstance(pipe, EmbeddingPipe):
+            raise TypeError(f"pipe must be an embedpipe.EmbeddingPipe, got {type(pipe).__name__}")
+        if pipe.optimizer is None:
+            raise ValueError(
+                "embedpipe.hf.Trainer trains the table: give the pipe an optimizer "
+                "(for a frozen table, use transformers.Trainer with pipe.loader)"
+            )
+        self.pipe = pipe
+        self.ids_key = ids_key
+        model = kwargs.get("model", args[0] if args else None)
+        if model is not None:
+            pipe.attach(model)
+        if kwargs.get("data_collator") is None and kwargs.get("processing_class") is None:
+            kwargs["data_collator"] = PadCollator(pipe.padding_idx, ids_key, hf_labels=True)
+        arguments = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(arguments, "neftune_noise_alpha", None) is not None:
+            raise ValueError(
+                "neftune_noise_alpha: NEFTune adds noise in the word embedding module's forward, "
+                "which an offloaded table never runs; train without it (or add the noise to "
+                "inputs_embeds in compute_loss)"
+            )
+        config = getattr(arguments, "accelerator_config", None)
+        if config is not None and getattr(config, "dispatch_batches", None) is None:
+            # one process: Accelerate would otherwise rebuild the batches of an iterable dataset
+            config.dispatch_batches = False
+        self._checkpointing = False
+        super().__init__(*args, **kwargs)
+        self._meter = PipeMeter(pipe)
+
+    # ----------------------------------------------------------------------------- data
+    # Trainer's three loader getters, each as transformers (5.x) writes it, building the loader
+    # through the pipe: the loader code of their ``_get_dataloader`` is ``_pipe_loader``.
+    def get_train_dataloader(self) -> Any:
+        """Trainer's ``get_train_dataloader``: the training set, ``_get_train_sampler``, the
+        train batch size, seeded workers."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        return self._pipe_loader(
+            self.train_dataset, "Training", self._train_batch_size, self._get_train_sampler, True
+        )
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """Trainer's ``get_eval_dataloader``: ``eval_dataset`` (a name of one of
+        ``self.eval_dataset``'s, a dataset, or ``self.eval_dataset``), ``_get_eval_sampler``;
+        with persistent workers, the loader kept and given again."""
+        if eval_dataset is None and self.eval_dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        key = eval_dataset if isinstance(eval_dataset, str) else "eval"
+        persistent = self.args.dataloader_persistent_workers
+        if persistent and key in getattr(self, "_eval_dataloaders", {}):
+            return self._eval_dataloaders[key]
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        elif eval_dataset is None:
+            eval_dataset = self.eval_dataset
+        loader = self._pipe_loader(
+            eval_dataset, "Evaluation", self.args.eval_batch_size, self._get_eval_sampler
+        )
+        if persistent:
+            if not hasattr(self, "_eval_dataloaders"):
+                self._eval_dataloaders = {}
+            self._eval_dataloaders[key] = loader
+        return loader
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        """Trainer's ``get_test_dataloader``: ``_get_eval_sampler``, the eval batch size."""
+        return self._pipe_loader(
+            test_dataset, "test", self.args.eval_batch_size, self._get_eval_sampler
+        )
+
+    def _pipe_loader(
+        self,
+        dataset: Any,
+        description: str,
+        batch_size: int,
+        sampler_fn: Any,
+        is_training: bool = False,
+    ) -> Any:
+        """Trainer's ``_get_dataloader`` with ``pipe.loader`` for ``DataLoader``: the unused
+        columns removed (from a ``datasets.Dataset``, else by the collator), the ``dataloader_*``
+        arguments, the sampler (a ``BatchRebalanceSampler`` as the batch sampler), seeded
+        training workers, and Accelerate's ``prepare``."""
+        args, collator = self.args, self.data_collator
+        if is_datasets_available() and isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description=description)
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description=description)
+        params: dict[str, Any] = {
+            "batch_size": batch_size,
+            "collate_fn": collator,
+            "num_workers": args.dataloader_num_workers,
+            "pin_memory": args.dataloader_pin_memory,
+            "persistent_workers": args.dataloader_persistent_workers,
+            "multiprocessing_context": args.dataloader_multiprocessing_context,
+            "prefetch_factor": args.dataloader_prefetch_factor,
+            "in_order": args.dataloader_in_order,
+        }
+        sampler = None
+        if not isinstance(dataset, torch.utils.data.IterableDataset):
+            sampler = sampler_fn(dataset)
+            if isinstance(sampler, BatchRebalanceSampler):
+                del params["batch_size"]
+                params["batch_sampler"] = sampler
+            else:
+                if sampler is not None:
+                    params["sampler"] = sampler
+                params["drop_last"] = args.dataloader_drop_last
+            if is_training:
+                params["worker_init_fn"] = partial(
+                    seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index
+                )
+        loader = self.pipe.loader(dataset, ids_key=self.ids_key, **params)
+        loader = self.accelerator.prepare(loader)
+        if isinstance(sampler, BatchRebalanceSampler):
+            # rank-aware already: Accelerate's BatchSamplerShard around it must pass through
+            shard = getattr(loader, "batch_sampler", None)
+            if shard is not None and getattr(shard, "batch_sampler", None) is sampler:
+                shard.num_processes, shard.process_index = 1, 0
+        return loader
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        if not isinstance(inputs, EmbeddedBatch):
+            return super()._prepare_inputs(inputs)
+        batch = inputs.to(self.args.device)
+        prepared = {k: v for k, v in batch.fields.items() if k != self.ids_key}
+        prepared[INPUTS_EMBEDS] = batch[INPUTS_EMBEDS]  # the model's first read: rows final here
+        return prepared
+
+    # ----------------------------------------------------------------------------- optimizer
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        """Trainer's optimizer over the dense weights, plus a group of the table's own."""
+        parameter = self.pipe.parameter
+        if all(p is not parameter for p in self.model.parameters()):  # made by model_init
+            self.pipe.attach(self.model)
+        if self.optimizer is not None:
+            return super().create_optimizer(model)
+        trains = parameter.requires_grad  # False: the user froze the word embeddings
+        parameter.requires_grad_(False)  # Trainer groups only parameters that require grad
+        try:
+            optimizer = super().create_optimizer(model)
+        finally:
+            parameter.requires_grad_(trains)
+        if trains:
+            optimizer.add_param_group(
+                {"params": [parameter], "lr": self.pipe.optimizer.lr, "weight_decay": 0.0}
+            )
+        return optimizer
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Trainer's log, with the pipe's figures in its training lines (``meter.py``): hit
+        rate, rows read and written per step, writeback lag; every logger gets them."""
+        if "loss" in logs:
+            logs = {**logs, **self._meter.since_last()}
+        super().log(logs, *args, **kwargs)
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        snapshot = os.path.join(self._get_output_dir(trial=trial), folder, TABLE_FOLDER)
+        if self.args.should_save:
+            if os.path.exists(snapshot):  # the same step saved again
+                shutil.rmtree(snapshot)
+            os.makedirs(os.path.dirname(snapshot), exist_ok=True)
+        if self.args.should_save or self.pipe._owner.shards is not None:
+            # first: a folder without it is no checkpoint. A table sharded over the ranks
+            # (torchrun) is saved by every rank together; rank 0 writes the folder
+            self.pipe.save_checkpoint(snapshot)
+        self._checkpointing = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._checkpointing = False
+        if self.args.should_save:
+            self._add_word_embeddings(os.path.dirname(snapshot))
+
+    def _add_word_embeddings(self, checkpoint: str) -> None:
+        """Write the snapshot's rows into the checkpoint's model file as the word embeddings,
+        so ``from_pretrained(checkpoint)`` loads the trained ones (NOTE [ Checkpoints load
+        with their word embeddings ]). Streamed from the snapshot: the table is never whole
+        in memory."""
+        name = next(
+            n for n, m in self.model.named_modules() if m is self.model.get_input_embeddings()
+        )
+        key = f"{name}.weight" if name else "weight"
+        table = Table.open(os.path.join(checkpoint, TABLE_FOLDER), "r")
+        try:
+            model_file = os.path.join(checkpoint, SAFE_WEIGHTS_NAME)
+            index_file = os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)
+            if os.path.isfile(model_file):
+                add_table_to_safetensors(Path(model_file), table, key)
+            elif os.path.isfile(index_file):  # sharded: the embeddings in a shard of their own
+                export_table(table, os.path.join(checkpoint, EMBEDDINGS_SHARD), key=key)
+                with open(index_file) as f:
+                    index = json.load(f)
+                index["weight_map"][key] = EMBEDDINGS_SHARD
+                with open(index_file + ".tmp", "w") as f:
+                    json.dump(index, f, indent=2)
+                os.replace(index_file + ".tmp", index_file)
+            else:
+                warnings.warn(
+                    f"{checkpoint} has no {SAFE_WEIGHTS_NAME} (save_safetensors=False?): its word "
+                    f"embeddings are only in {TABLE_FOLDER}/, and from_pretrained on it gives "
+                    "freshly initialised ones; resume with embedpipe.hf.Trainer, or save with "
+                    "save_safetensors=True",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        finally:
+            table.close()
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save the model for ``from_pretrained``, with the table's trained rows as its word
+        embeddings (within a checkpoint, the table is saved apart, as a snapshot)."""
+        if self._checkpointing:
+            super().save_model(output_dir, _internal_call)
+            return
+        from .offloading import restored
+
+        with restored(self.model, self.pipe):
+            super().save_model(output_dir, _internal_call)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        from .offloading import skipping_word_embeddings
+
+        with skipping_word_embeddings(model or self.model):  # the table comes from the snapshot
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._load_table(resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        from .offloading import skipping_word_embeddings
+
+        with skipping_word_embeddings(self.model):
+            super()._load_best_model()
+        self._load_table(self.state.best_model_checkpoint)
+
+    def _load_table(self, checkpoint: str) -> None:
+        snapshot = os.path.join(checkpoint, TABLE_FOLDER)
+        if not os.path.isdir(snapshot):
+            raise FileNotFoundError(
+                f"{checkpoint} holds no table snapshot ({TABLE_FOLDER}/): it was not saved by "
+                "embedpipe.hf.Trainer, or the save was interrupted; resume from another checkpoint"
+            )
+        self.pipe.load_checkpoint(snapshot)

@@ -1,0 +1,302 @@
+"""The table's gradient as a torch ``Parameter``: accumulated by backward, seen by clipping, and
+taken by the optimizer step.
+
+An ``nn.Embedding`` trains inside the frameworks people use because its gradient is an ordinary
+``.grad``: backward passes add to it, ``clip_grad_norm_`` counts and scales it, ``zero_grad``
+drops it, and ``optimizer.step()`` applies it with the learning rate the schedule set. The
+offloaded table gets the same by holding its pending gradient in :attr:`TableGradient.parameter`::
+
+    parameter: (U, D), a stride-0 view of one zero (no memory)   .grad: (U, D), the gradient of
+    ids (U,) sorted, the rows the gradient is for                        those rows, summed as
+                                                                         backward passes add up
+
+The parameter sits in the model where the ``nn.Embedding`` was (``embedpipe.hf.offload``), so
+``model.parameters()`` yields it in the embedding's place and a global norm sums it in the same
+order. The step is taken in torch's global optimizer step pre-hook, before the optimizer reads
+any ``.grad``, when the optimizer holds the parameter (NOTE [ Which optimizer steps the table ]):
+the gradient is taken off the parameter (``.grad = None``, so AdamW and friends skip it) and
+queued as one table step, with the learning rate of the parameter group that holds it. A ``step(closure)`` (Lightning) computes the gradient inside the step, after clipping: then
+the step is taken when the closure returns.
+
+NOTE [ The table's learning rate ]
+The row optimizer's ``lr`` is the table's learning rate, and a schedule reaches it through the
+group that holds the parameter:
+
+- a group of its own (``{"params": [pipe.parameter], "lr": 0.05}``, what ``embedpipe.hf.Trainer``
+  makes): its ``lr`` is the table's, read at every step, so a scheduler sets it exactly as it
+  sets the matching group of a torch ``Adagrad``;
+- a group shared with dense weights (``AdamW(model.parameters())``): the row optimizer's ``lr``
+  times the group's rate relative to the rate it was built with, ``group["lr"] / built``.
+  ``built`` is the group's ``initial_lr`` where a scheduler set one; otherwise the group's rate
+  when embedpipe first saw the optimizer: when the pipe was made, at the pipe's first batch, or
+  at the optimizer's first step, whichever came first, kept in the group as
+  ``group["embedpipe_built_lr"]`` so that it travels with ``optimizer.state_dict()`` (a resumed
+  run restores it). So a hand-written warmup (which sets the rate inside the loop, after the
+  batch is drawn), ``ReduceLROnPlateau`` and a rate changed by hand scale the table as they
+  scale the group. A built rate of 0 raises: no factor can follow it;
+- in no optimizer: the row optimizer's ``lr``, stepped by ``pipe.step()``.
+
+Other hyperparameters of the group (AdamW's weight decay, betas, eps) do not apply to the table.
+
+NOTE [ Which optimizer steps the table ]
+Only an optimizer that holds ``pipe.parameter`` takes the table's gradient, when its ``step()``
+runs, in whatever order several optimizers step (two tables in two optimizers, an
+encoder-decoder, a frozen stage whose optimizer never steps). Any other optimizer's step leaves
+it pending. If the gradient is still pending at the next backward pass after such a step, the
+pipe warns once: no optimizer that holds it stepped (call ``pipe.step()``, or freeze the table
+with ``requires_grad_(False)``). An optimizer that holds the embedding weight ``offload``
+replaced (built before ``offload``) raises at its step: it can never reach the table.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+#: Called with (ids (U,) CPU int64, grad (U, D) on the gradient's device, lr or None) per step.
+StepSink = Callable[[torch.Tensor, torch.Tensor, "float | None"], None]
+#: Called with (ids, grad) before a step is taken; raises to refuse it (a non-finite gradient).
+StepCheck = Callable[[torch.Tensor, torch.Tensor], None]
+
+#: Backward passes with no optimizer step ever seen before the pipe warns that none may come.
+PILE_UP_WARNING = 100
+
+
+class TableGradient:
+    """The pending gradient of the table's rows, as :attr:`parameter`'s ``.grad``."""
+
+    def __init__(
+        self,
+        dim: int,
+        base_lr: float,
+        check: StepCheck,
+        on_step: StepSink,
+        parameter: nn.Parameter | None = None,
+    ) -> None:
+        """``parameter``: the one to hold the gradient in (``offload`` makes it, so that an
+        optimizer built before the pipe holds it too); a new one if None."""
+        self.parameter = parameter if parameter is not None else nn.Parameter(torch.empty(0, dim))
+        self.ids: torch.Tensor | None = None  # the rows of parameter.grad, sorted
+        self._version = -1  # parameter.grad's version counter when this object last changed it
+        self.base_lr = base_lr
+        self.check = check
+        self.on_step = on_step
+        self.backwards = 0  # backward passes added since the last step
+        self.steps = 0  # steps taken
+        self._warned = False
+        #: an optimizer that does not hold the parameter stepped while its gradient was pending
+        self._passed_over = False
+        self._warned_passed_over = False
+        ref = weakref.ref(self)
+
+        def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+            gradient = ref()
+            return None if gradient is None else gradient._pre_step(optimizer, args, kwargs)
+
+        self._hook = register_optimizer_step_pre_hook(pre_step)
+        self.clear()  # an adopted parameter may hold what an earlier pipe left
+        self.see_optimizers()  # optimizers built before the pipe: their rates as built
+
+    # ----------------------------------------------------------------------------- backward
+    @property
+    def pending(self) -> bool:
+        """A gradient has been accumulated and no step has taken it (nor ``zero_grad`` dropped it).
+
+        ``zero_grad(set_to_none=False)`` zeroes ``.grad`` in place instead of dropping it; for a
+        sparse gradient (what ``nn.Embedding(sparse=True)`` gives ``SparseAdam``) that leaves no
+        row at all, so a zeroed gradient counts as dropped here too: its rows are not stepped
+        (Adam would otherwise decay their moments and move them). In-place changes are seen by
+        the tensor's version counter; clipping changes it too, but leaves a non-zero gradient.
+        """
+        grad = self.parameter.grad
+        if grad is None or self.ids is None:
+            return False
+        return grad._version == self._version or bool(grad.any())
+
+    def add(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add one backward pass's gradient ``grad`` (U, D) of the rows ``ids`` (U,) sorted.
+
+        Sums as ``.grad`` accumulation does, bit for bit: a row in both gets ``old + new``; a
+        row in one gets its value (``0 + x`` is ``x``)."""
+        held = self.parameter.grad
+        self.backwards += 1
+        if self._passed_over and self.pending and not self._warned_passed_over:
+            self._warned_passed_over = True
+            warnings.warn(
+                "an optimizer stepped that does not hold pipe.parameter, and none that holds it "
+                "did: the embedding table's gradient was not taken and keeps adding up. Build "
+                "the optimizer from model.parameters() after offload() (or add pipe.parameter "
+                "to it), call pipe.step() after your optimizer's step, or freeze the table with "
+                "pipe.parameter.requires_grad_(False)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        if not self.pending or held.shape[0] != len(self.ids):  # dropped by zero_grad: start anew
+            self._hold(ids, grad)
+        else:
+            both, where = torch.unique(torch.cat([self.ids, ids]), return_inverse=True)
+            old, new = (
+                where[: len(self.ids)].to(held.device),
+                where[len(self.ids) :].to(held.device),
+            )
+            if len(both) == len(self.ids):  # no new rows: add in place, as AccumulateGrad does
+                held.index_add_(0, new, grad.to(held.dtype))
+                self._version = held._version
+            else:
+                total = held.new_zeros(len(both), held.shape[1])
+                total.index_add_(0, old, held)
+                total.index_add_(0, new, grad.to(held.dtype))
+                self._hold(both, total)
+        if self.steps == 0 and self.backwards == PILE_UP_WARNING and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"{self.backwards} backward passes have added to the embedding table's gradient "
+                "and no optimizer has stepped: the table is trained when a torch optimizer steps "
+                "(optimizer.step()) or when pipe.step() is called",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def _hold(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        param = self.parameter
+        param.grad = None
+        param.data = grad.new_zeros(()).expand(grad.shape)  # the shape .grad needs, no memory
+        param.grad = grad
+        self.ids = ids
+        self._version = grad._version
+
+    def clear(self) -> None:
+        """Drop the pending gradient, as ``zero_grad()`` does."""
+        self._passed_over = False
+        param = self.parameter
+        param.grad = None
+        param.data = param.data.new_empty(0, param.shape[1])
+        self.ids = None
+        self.backwards = 0
+
+    # ----------------------------------------------------------------------------- the step
+    def step(self, lr: float | None = None) -> bool:
+        """Take the pending gradient as one table step (``lr`` None: the row optimizer's).
+
+        Returns False when there was nothing to take."""
+        if not self.pending:
+            self.clear()
+            return False
+        ids, grad = self.ids, self.parameter.grad
+        self.check(ids, grad)  # a refused step leaves the gradient pending, as .grad stays
+        self._passed_over = False
+        self.clear()  # before it is queued: a signal in between loses it, never queues it twice
+        self.on_step(ids, grad, lr)
+        self.steps += 1
+        return True
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+        """torch's global step pre-hook: ``args`` is ``(optimizer, *step args)``."""
+        group = _group_of(optimizer, self.parameter)
+        if group is None:
+            _refuse_stale(optimizer)
+            if self.pending:
+                self._passed_over = True  # warned about at the next backward if still pending
+            return None
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise RuntimeError(
+                "LBFGS cannot train an offloaded table: its line search re-evaluates the loss "
+                "at trial points of every parameter; leave pipe.parameter out of it"
+            )
+        _see(group)
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if closure is None:
+            self.step(self._group_lr(optimizer, group))
+            return None
+        calls = 0
+
+        def closure_then_step() -> Any:  # the gradient exists (and is clipped) after the closure
+            nonlocal calls
+            calls += 1
+            if calls > 1:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step() called its closure twice; an offloaded "
+                    "table takes one gradient per step (optimizers such as LBFGS are not supported)"
+                )
+            out = closure()
+            self.step(self._group_lr(optimizer, group))
+            return out
+
+        if len(args) > 1:
+            return (args[0], closure_then_step, *args[2:]), kwargs
+        return args, {**kwargs, "closure": closure_then_step}
+
+    # ----------------------------------------------------------------------------- rates
+    def see_optimizers(self) -> None:
+        """Note the rate of every group that holds the parameter, in every optimizer alive, as
+        first seen (NOTE [ The table's learning rate ]): when the pipe is made and at its first
+        batch. A group is a dict whose ``params`` list holds the parameter: two walks of the
+        garbage collector's referrers, in C (a walk of every object in Python took 0.2 s in a
+        process with transformers loaded, twice per pipe)."""
+        lists = [r for r in gc.get_referrers(self.parameter) if type(r) is list]
+        held = {id(params) for params in lists}
+        for group in gc.get_referrers(*lists) if lists else ():
+            if type(group) is dict and "lr" in group and id(group.get("params")) in held:
+                _see(group)
+
+    def _group_lr(self, optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> float | None:
+        """The table's learning rate for a step by ``group`` (see the NOTE)."""
+        lr = float(group["lr"])
+        if len(group["params"]) == 1:
+            return lr
+        built = group.get("initial_lr", group.get(BUILT_LR))
+        if not built:
+            raise RuntimeError(
+                f"the {type(optimizer).__name__} group that holds the embedding table had a "
+                f"learning rate of {built} when embedpipe first saw it, so the table's rate "
+                "cannot follow it as a factor of its built rate: set group['initial_lr'] to the "
+                "rate the group was built with (as LRScheduler does), or give pipe.parameter a "
+                "group of its own"
+            )
+        return self.base_lr * (lr / float(built))
+
+    def close(self) -> None:
+        self._hook.remove()
+
+
+#: The key of a shared group's rate when embedpipe first saw it (NOTE [ The table's learning
+#: rate ]); optimizers ignore keys they do not know, and ``state_dict`` carries it.
+BUILT_LR = "embedpipe_built_lr"
+
+#: The attribute ``offload`` sets on the embedding weight it replaces (the table's path).
+OFFLOADED = "_embedpipe_offloaded"
+
+
+def _group_of(optimizer: torch.optim.Optimizer, parameter: nn.Parameter) -> dict[str, Any] | None:
+    """The group of ``optimizer`` that holds ``parameter``, if one does."""
+    return next(
+        (g for g in optimizer.param_groups if any(p is parameter for p in g["params"])), None
+    )
+
+
+def _see(group: dict[str, Any]) -> None:
+    """Note the group's rate as first seen, in the group itself, so that it travels with the
+    optimizer's state_dict (a resumed run's decayed rate is not taken for the built one)."""
+    group.setdefault(BUILT_LR, float(group["lr"]))
+
+
+def _refuse_stale(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer that holds a weight ``offload`` replaced was built before it: it steps a
+    stale V x D copy, keeps it alive, and can never reach the table."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            path = getattr(p, OFFLOADED, None)
+            if path is not None:
+                raise RuntimeError(
+                    f"this {type(optimizer).__name__} holds the embedding weight that offload() "
+                    f"moved to {path}: it was built before offload(), steps a stale copy of the "
+                    "table and can never train it. Build the optimizer after offload(), from "
+                    "model.parameters()"
+                )

@@ -1,0 +1,447 @@
+"""Foreseeing the ids of the batches a loader will hand off next, for the lookahead policy.
+
+A map-style dataset's order is its sampler's: :class:`Foresight` stands in the loader's
+``batch_sampler`` place (the same batches, in the same order) and tells the :class:`Stream`
+which batch the DataLoader dispatches to a worker, as it draws it. The ids of the batches after
+it are read by a child forked at the epoch's first draw, from copies of the sampler's iterator
+and of the dataset (``foresee.py``, NOTE [ Foresight without side effects ]): the training
+process never calls the dataset nor draws the sampler before the DataLoader does, and no random
+generator is drawn that would not be without lookahead. The stream hands each foreseen batch's
+unique ids to the policy's window (``policy.py``, NOTE [ The lookahead window ]), at most
+``window`` batches ahead of the last batch dispatched.
+
+Foresight may be wrong (a dataset or sampler that draws at random): a claimed batch is matched
+to the batches in flight by its ids, and each claim releases at least one of them, so wrong
+foresight pins no row for longer than its batch is in flight and grows no list. With
+``policy="auto"``, when most of the last :data:`JUDGED_BATCHES` claims matched nothing foreseen,
+the pipe stops looking ahead (LFU from then on) and says so once.
+
+One stream owns the window at a time: the first loader iterated. Another loader iterated while it
+runs (an evaluation loop in the middle of an epoch) has no lookahead; its batches are handed off
+through the same cache and do not move the window.
+
+NOTE [ Misses read by the owner ]
+With workers, ``prefetch_factor x num_workers`` batches are looked up before the first of them is
+handed off, so a row that several of them use and the cache lacks would be read from disk by
+each (measured: 1.2-1.5x the rows Belady's optimum reads, at 2-20% cache, 2 workers). So while a
+stream runs, its loader's workers copy the cache's hits and leave the misses (a flag in shared
+memory, ``PipeLoader._defer``); the reader thread reads the rows of each dispatched batch that
+the cache lacks into a buffer, copying those an earlier batch in flight already read, and the
+hand-off takes them from there (``Owner._read_deferred``), or from the cache or the table if the
+reader is late, then admits them as usual. Each row is read once for all the batches in flight,
+and the reads run beside the loop, in a thread that mostly waits on the disk. A buffered row is
+used only if no step changed it since it was read (its ``last_updated`` tick); the table has the
+newest copy of every row the cache lacks (invariant 3). The buffers hold at most the batches in
+flight. One thread reads for all the workers, so when it cannot keep up with the loop (a cold
+disk, a loop with no model to hide it) the stream hands the misses back to the workers
+(``Stream._keep_up``): reading in parallel beats reading each row once there.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
+
+import numpy as np
+from torch.utils.data import BatchSampler
+
+from ..cache.rowcache import Copy, RowCache, SharedRows, from_copies
+from ..cache.shm import SharedBlock
+from ..store.layout import WEIGHT
+from ..store.table import Table
+from .foresee import IdsReader
+
+
+class Owner(Protocol):
+    """What foresight takes from the table's owner (``owner.py``, which makes the streams and
+    imports this module): its lock and cache, the table, and the one stream it runs at a time."""
+
+    lock: threading.Lock
+    cache: RowCache
+    shared: SharedRows
+    table: Table
+    padding_idx: int | None
+    stream: Stream | None
+
+    def start_stream(
+        self, dataset: Any, ids_key: str, order: Ahead, source: Any, defer: SharedBlock | None
+    ) -> Stream | None:
+        """Foresee an epoch of a loader from ``order``'s first draw (None: foresight is off)."""
+
+    def end_stream(self, stream: Stream) -> None:
+        """``stream``'s epoch is over or left: stop it."""
+
+
+#: Hand-offs over which the reader must have read at least half the batches' misses in time.
+KEEP_UP_BATCHES = 16
+#: Claims over which ``auto`` judges its foresight: it stops if most matched nothing foreseen.
+JUDGED_BATCHES = 16
+
+
+class Ahead:
+    """The sampler's iterator as the DataLoader draws it.
+
+    ``on_first(self)`` runs once the DataLoader has drawn the first batch (the stream starts only
+    then: see :class:`Foresight`); ``on_draw(number)`` runs before the DataLoader gets batch
+    ``number`` (to dispatch it to a worker): the stream moves its window past that batch there.
+    """
+
+    def __init__(self, inner: Iterator[Any]) -> None:
+        self.inner = inner
+        self.drawn = 0  # batches the DataLoader has drawn
+        self.on_first: Callable[[Ahead], None] | None = None
+        self.on_draw: Callable[[int], None] | None = None
+        self.exhausted = False  # the DataLoader has drawn every batch
+
+    def __iter__(self) -> Ahead:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            item = next(self.inner)
+        except StopIteration:
+            self.exhausted = True
+            raise
+        number = self.drawn
+        self.drawn += 1
+        if self.on_draw is not None:
+            self.on_draw(number)
+        if self.on_first is not None:
+            first, self.on_first = self.on_first, None
+            first(self)
+        return item
+
+
+class Foresight(BatchSampler):
+    """The loader's batch sampler, the same batches in the same order, iterated through
+    :class:`Ahead` with a :class:`Stream` foreseeing from the first batch the DataLoader draws.
+
+    Being the loader's ``batch_sampler`` (a ``BatchSampler``, whose ``sampler`` a framework may
+    replace), it also serves the loaders that frameworks build from it: Accelerate's
+    ``prepare`` and ``skip_first_batches``, and with them Trainer.
+    """
+
+    def __init__(
+        self,
+        batch_sampler: BatchSampler,
+        owner: Owner,
+        dataset: Any,
+        ids_key: str,
+        source: Any,
+        defer: SharedBlock | None,
+    ) -> None:
+        super().__init__(batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last)
+        self._owner, self._dataset, self._ids_key = owner, dataset, ids_key
+        self._source, self._defer = source, defer
+        self._stream: Stream | None = None
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.stop()  # a new epoch of this loader: its last one is over
+        order = Ahead(super().__iter__())
+        order.on_first = self._begin  # (no closure over order: torch drops one unused each epoch)
+        return order
+
+    def _begin(self, order: Ahead) -> None:
+        """The DataLoader drew its first batch: foresight may go on from there. Not sooner: a
+        sampler draws its order when first asked (``RandomSampler`` from torch's global
+        generator, accelerate's ``SeedableRandomSampler`` from its epoch), so the fork's copy of
+        the iterator then holds the order this epoch will really have."""
+        self._stream = self._owner.start_stream(
+            self._dataset, self._ids_key, order, self._source, self._defer
+        )
+
+    def stop(self) -> None:
+        if self._stream is not None:
+            self._owner.end_stream(self._stream)
+            self._stream = None
+
+
+class Stream:
+    """One epoch of a loader, foreseen: a forked child reads the ids of the batches ahead
+    (``foresee.IdsReader``), a receiver thread feeds them to the policy's window, and a reader
+    thread reads the misses of the batches in flight (NOTE [ Misses read by the owner ])."""
+
+    def __init__(
+        self,
+        owner: Owner,
+        dataset: Any,
+        ids_key: str,
+        order: Ahead,
+        source: Any,
+        defer: SharedBlock | None = None,
+    ) -> None:
+        self.owner = owner
+        self.source = source  # the loader's PipeSource: its hand-offs are this stream's batches
+        self.policy = owner.cache.policy
+        self.dataset = dataset
+        self.ids_key = ids_key
+        self.order = order
+        self.padding = owner.padding_idx
+        self.num_rows = owner.table.num_rows
+        #: the batches in the policy's window: (number, ids)
+        self.foreseen: deque[tuple[int, np.ndarray]] = deque()
+        #: foreseen batches dispatched and not claimed: (number, ids); each claim pops one or more
+        self.in_flight_ids: deque[tuple[int, np.ndarray]] = deque()
+        self.claimed = -1  # the last batch handed off (it starts at the epoch's first draw)
+        #: rows read for dispatched batches whose workers left their misses to the owner:
+        #: number -> (ids, rows, clock tick when read); ``ready``: the claimed batch's
+        self.buffers: dict[int, Copy] = {}
+        self.ready: Copy | None = None
+        self.window = self.policy.window
+        self.dispatched = order.drawn - 1  # the last batch the DataLoader drew (and dispatched)
+        self.filled = order.drawn - 1  # the last dispatched batch whose misses were read
+        self.filling: int | None = None  # the dispatched batch whose misses are being read
+        self.first_received = -1  # the number of the child's first batch
+        self.last_received = -1  # ... and of its latest
+        self.first_foreseen: int | None = None  # ... and of the first it sent in time
+        self.ended = False  # the child sent its last batch (or failed)
+        #: per claim judged (from the first batch foreseen in time): it matched a foreseen one
+        self.matched: deque[bool] = deque(maxlen=JUDGED_BATCHES)
+        self.blind = False  # ``auto`` gave up: foresight kept missing
+        self.defer = defer
+        #: per hand-off: its misses were read, when it began, how long it waited for the reader
+        self._ready: deque[tuple[bool, float, float]] = deque(maxlen=KEEP_UP_BATCHES)
+        self.handed_back = False  # the reader could not keep up: the workers read misses again
+        self._table: Any = None
+        self.wake = threading.Condition()
+        self.stopped = False
+        # the fork comes first, before this stream's threads exist
+        self.ids = IdsReader(order.inner, self._ids, first=order.drawn)
+        self.ids.credit(self.window)
+        if defer is not None:  # the workers leave their misses to the owner from now on
+            defer["misses"][0] = 1
+        order.on_draw = self._drawn
+        with owner.lock:
+            self.policy.restart()
+        self.receiver = threading.Thread(
+            target=self._receive, name="embedpipe-foresight", daemon=True
+        )
+        self.thread = threading.Thread(target=self._run, name="embedpipe-lookahead", daemon=True)
+        self.receiver.start()
+        self.thread.start()
+
+    def _drawn(self, number: int) -> None:
+        """The DataLoader dispatches batch ``number`` to a worker, whose lookup is that batch's
+        use of its rows: the window moves past it, and its rows are held until it is claimed."""
+        self.ids.credit(1)  # the child may read one batch further
+        with self.owner.lock:
+            self.dispatched = number
+            while self.foreseen and self.foreseen[0][0] <= number:
+                passed, ids = self.foreseen.popleft()
+                self.policy.advance()
+                self.policy.adjust_held(ids, 1)  # until its lookup is done
+                self.in_flight_ids.append((passed, ids))
+        with self.wake:
+            self.wake.notify_all()  # a batch to fill, maybe
+
+    def claim(self, ids: np.ndarray) -> None:
+        """A batch of this stream's loader is being handed off, with unique ``ids``: find it among
+        the batches in flight (the first whose foreseen ids it mostly shares: a collate or a
+        random sample may change a few), release it and every batch dispatched before it (one a
+        framework skipped, say), and make its misses read ahead :attr:`ready` for the hand-off.
+        A batch that matches none is taken to be the next in the DataLoader's order: foresight
+        that was wrong holds nothing longer than its batch is in flight."""
+        with self.owner.lock:
+            probe = ids[:: max(1, len(ids) // 64)]  # a sample: the test is about 64 ids
+            found = next(
+                (
+                    number
+                    for number, had in self.in_flight_ids
+                    if np.isin(probe, had, assume_unique=True).mean() >= 0.5
+                ),
+                None,
+            )
+        began = time.monotonic()
+        with self.wake:  # a read of its misses under way finishes first (not a later batch's)
+            while found is not None and self.filling == found and not self.stopped:
+                self.wake.wait()
+        waited = time.monotonic() - began
+        with self.owner.lock:  # (only this thread takes batches out of in_flight_ids)
+            # the batch claimed: the one found, else the next in the DataLoader's order
+            number = found if found is not None else self.claimed + 1
+            if self.first_foreseen is not None and number >= self.first_foreseen:
+                self.matched.append(found is not None)  # else dispatched before foresight began
+            elif self.last_received - self.first_received >= 2 * JUDGED_BATCHES:
+                self.matched.append(False)  # the child never once got ahead: it cannot keep up
+            while self.in_flight_ids and self.in_flight_ids[0][0] <= number:
+                self.policy.adjust_held(self.in_flight_ids.popleft()[1], -1)
+            self.ready = self.buffers.pop(number, None) if found is not None else None
+            for done in [n for n in self.buffers if n < number]:
+                del self.buffers[done]  # batches that were never handed off
+            self.claimed = max(self.claimed, number)
+            self._keep_up(self.ready is not None, began, waited)
+            self.blind = self._gives_up()
+        with self.wake:
+            self.wake.notify_all()
+
+    def _gives_up(self) -> bool:
+        """``auto`` and most of the last :data:`JUDGED_BATCHES` claims matched nothing foreseen
+        (the dataset's ids differ at each read, or the child cannot keep ahead)."""
+        return (
+            getattr(self.policy, "gives_up", False)
+            and len(self.matched) == self.matched.maxlen
+            and sum(self.matched) < len(self.matched) / 2
+        )
+
+    def _keep_up(self, ready: bool, began: float, waited: float) -> None:
+        """Hand the misses back to the workers if the reader does not keep up with the loop:
+        over the last :data:`KEEP_UP_BATCHES` hand-offs, the loop waited for the reader more
+        than a third of its time, or found fewer than half the batches' misses read (it then
+        reads them itself). One thread's reads then pace the loop where the workers read in
+        parallel (measured on a cold disk, 10% cache, uniform ids: 37-40 batches/s with the
+        owner reading, 58-60 after handing back, 62-64 with the workers from the start). The
+        rows read go up again where batches in flight share rows; the time goes down."""
+        if self.defer is None or self.handed_back:
+            return
+        self._ready.append((ready, began, waited))
+        if len(self._ready) < self._ready.maxlen:
+            return
+        elapsed = began - self._ready[0][1]
+        late = sum(1 for r, _, _ in self._ready if not r)
+        if late > len(self._ready) / 2 or sum(w for _, _, w in self._ready) > elapsed / 3:
+            self.defer["misses"][0] = 0
+            self.handed_back = True
+
+    def take(self, ids: np.ndarray, dim: int, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+        """For the hand-off of the batch just claimed: the rows of ``ids`` (its misses) that the
+        reader read and no step changed since, as ``cache.from_copies`` gives them."""
+        ready, self.ready = self.ready, None
+        return from_copies([ready] if ready else [], ids, self.owner.cache.last_updated, dim, dtype)
+
+    @property
+    def caught_up(self) -> bool:
+        """The child has sent every batch the window lets it read, and the reader thread has
+        read the misses of every batch in flight (benchmarks and tests wait for this, so that
+        rows read do not depend on how the machine schedules the child and the thread)."""
+        foreseen = self.ended or self.last_received >= self.dispatched + self.window
+        return foreseen and self.filling is None and self._next_fill() is None
+
+    @property
+    def finished(self) -> bool:
+        """Stopped, or every batch drawn and claimed (a framework's loader never says it is
+        done: the next epoch of any loader may take the window then)."""
+        return self.stopped or (self.order.exhausted and not self.in_flight_ids)
+
+    def stop(self) -> None:
+        """End the child and the threads, and forget the window (any thread but the stream's).
+        Once: a second call (a loader's own stop after the owner ended its stream) must not
+        clear the window another stream has taken since."""
+        if self.stopped:
+            return
+        if self.defer is not None:
+            self.defer["misses"][0] = 0
+        self.ids.close()  # the receiver sees the end
+        with self.wake:
+            self.stopped = True
+            self.wake.notify_all()
+        with self.owner.lock:
+            if self.owner.stream in (self, None):
+                self.policy.restart()
+            self.foreseen.clear()
+            self.buffers.clear()
+            while self.in_flight_ids:
+                self.policy.adjust_held(self.in_flight_ids.popleft()[1], -1)
+        for thread in (self.receiver, self.thread):
+            if thread is not threading.current_thread():
+                thread.join(timeout=10)
+        if not self.receiver.is_alive():
+            self.ids.close_receiving()
+        # no cycle through the order (Ahead.on_draw -> self -> order): without one the stream,
+        # its reader's open chunk files and the loader's shared blocks go when the loop drops
+        # them, not at the next full garbage collection (measured: +3 descriptors an epoch)
+        self.order.on_draw = None
+
+    # ------------------------------------------------------------------ the threads
+    def _receive(self) -> None:
+        """The receiver thread: the child's foreseen batches into the policy's window."""
+        while True:
+            got = self.ids.receive()
+            if got is None:
+                self.ended = True
+                return
+            number, ids = got
+            with self.owner.lock:
+                if self.stopped:
+                    return
+                if self.first_received < 0:
+                    self.first_received = number
+                self.last_received = number
+                if number > self.dispatched:  # else the DataLoader got there first
+                    if self.first_foreseen is None:
+                        self.first_foreseen = number
+                    self.policy.foresee(ids)
+                    self.foreseen.append((number, ids))
+
+    def _run(self) -> None:
+        """The reader thread: reads the misses of the batches in flight."""
+        while True:
+            with self.wake:
+                while not self.stopped and (fill := self._next_fill()) is None:
+                    self.wake.wait()
+                if self.stopped:
+                    return
+            try:
+                self._fill(*fill)
+            except Exception:  # the worker or the hand-off reads them then; this just stops
+                return
+
+    def _next_fill(self) -> tuple[int, np.ndarray] | None:
+        """The first dispatched, unclaimed batch whose misses its worker leaves to the owner and
+        that are not read yet."""
+        if self.defer is None or self.handed_back:
+            return None  # (batches dispatched before a hand-back: their hand-offs read them)
+        with self.owner.lock:
+            for number, ids in self.in_flight_ids:  # a few batches: the ones in flight
+                if number > max(self.filled, self.claimed):
+                    return number, ids
+        return None
+
+    def _fill(self, number: int, ids: np.ndarray) -> None:
+        """Read the rows of dispatched batch ``number`` that its worker left (the cache's
+        misses) into a buffer its hand-off takes (:meth:`claim`); rows an earlier batch in
+        flight has in its buffer are copied from there, not read again."""
+        with self.wake:
+            if number <= self.claimed:
+                return
+            self.filling = self.filled = number
+        try:
+            with self.owner.lock:
+                if self.stopped:
+                    return
+                missing = ids[self.owner.shared.slot_of[ids] < 0]
+                tick = self.owner.cache.clock
+                earlier = list(self.buffers.values())
+            table, cache = self.owner.table, self.owner.cache
+            found, rows = from_copies(earlier, missing, cache.last_updated, table.dim, table.dtype)
+            todo = ~found
+            if todo.any():
+                rows[todo] = self._reader().read(missing[todo])
+            with self.owner.lock:
+                cache.counts["rows_read"] += int(todo.sum())
+                self.buffers[number] = (missing, rows, tick)
+        finally:
+            with self.wake:
+                self.filling = None
+                self.wake.notify_all()
+
+    def _reader(self) -> Any:
+        if self._table is None:  # its own handle: the owner's is used under the lock only
+            table = self.owner.table
+            self._table = Table._reader(table.path, table.root)._array(WEIGHT)
+        return self._table
+
+    def _ids(self, indices: list[int]) -> np.ndarray:
+        getitems = getattr(self.dataset, "__getitems__", None)
+        samples = getitems(indices) if getitems is not None else [self.dataset[i] for i in indices]
+        parts = []
+        for sample in samples:
+            if not isinstance(sample, Mapping):
+                raise TypeError("samples without ids")
+            parts.append(np.asarray(sample[self.ids_key]).reshape(-1))
+        if self.padding is not None:
+            parts.append(np.array([self.padding]))
+        ids = np.unique(np.concatenate(parts).astype(np.int64, copy=False))
+        return ids[(ids >= 0) & (ids < self.num_rows)]

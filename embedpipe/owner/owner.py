@@ -1,0 +1,492 @@
+"""The owner: what the training process does for an :class:`~embedpipe.EmbeddingPipe`.
+
+The owner holds the table, the shared cache and the writeback thread (invariant 1: it is the only
+writer). Three kinds of code call it:
+
+- the batch, in the training loop: :meth:`Owner.hand_off` when it is claimed and
+  :meth:`Owner.refresh` when the model reads it (NOTE [ Rows are final when the model first
+  reads them ] in ``batch.py``);
+- the gradient hook, during backward: :meth:`Owner.on_grad`, which adds to the table's pending
+  gradient (``gradient.py``), and the optimizer step that takes it: :meth:`Owner.submit`;
+- the writeback thread: :meth:`Owner.apply` per step, :meth:`Owner.clean_ahead` when idle.
+
+Its checkpoints, snapshots and close are the functions of ``durability.py``, which its methods of
+the same names call.
+
+An owner owns a range of the table's rows, all of them in one process. A pipe sharded over the
+ranks of a process group has one owner per rank, each the only writer of its range:
+:class:`~embedpipe.ranks.shard_owner.ShardOwner`, which meets the others in the collectives of
+``shards.py``.
+
+The hand-off and the writeback thread both change the cache; ``self.lock`` serialises them.
+
+The owner keeps no reference to the user's ``EmbeddingPipe`` handle (the writeback thread holds
+the owner, so a reference back would keep a dropped pipe alive for good). The handle closes the
+owner when the user closes it, or when it is collected (``pipe/handle.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..cache import ordering
+from ..cache.policy import LRU, Lookahead
+from ..cache.rowcache import RowCache, SharedRows, Update
+from ..cache.shm import SharedBlock
+from ..errors import NonFiniteGradientError, TableWriteError
+from ..ids import as_ids, unique_inverse
+from ..optim import RowOptimizer
+from ..store.checkpoints import Checkpoint
+from ..store.table import Table
+from ..worker.batch import EmbeddedBatch
+from ..worker.looked_up import LookedUp
+from . import durability
+from .foresee import can_fork
+from .gradient import TableGradient
+from .lookahead import Ahead, Stream
+from .writeback import Writeback
+
+
+class Owner:
+    """The owner side of a pipe; see the module docstring. Options are validated by the pipe."""
+
+    #: The ranks a sharded table is split over (``ShardOwner``); None: one process.
+    shards = None
+
+    def __init__(
+        self,
+        table: Table,
+        policy: LRU,
+        optimizer: RowOptimizer | None,
+        options: dict[str, Any],
+        *,
+        owns_table: bool,
+        parameter: torch.nn.Parameter | None = None,
+    ) -> None:
+        self.table = table
+        #: The rows this owner keeps, caches and steps, ``[lo, hi)``: all of them, unless sharded.
+        self.owned = (0, table.num_rows)
+        self.optimizer = optimizer
+        self.consistency = options["consistency"]
+        self.max_staleness = options["max_staleness"] or 0
+        self.padding_idx = options["padding_idx"]
+        self.check_finite = options["check_finite"]
+        self.owns_table = owns_table
+        self.pid = os.getpid()  # a forked child inherits a copy of the owner, and owns nothing
+        #: Workers read the shared cache and clock themselves, unless this CPU cannot order
+        #: those reads (``ordering.py``): then the hand-off copies every row.
+        self.workers_read_shared = ordering.MODE != "owner"
+        state = tuple(optimizer.state_init()) if optimizer is not None else ()
+        self.shared = SharedRows(table.num_rows, policy.cache_rows, table.dim, table.dtype)
+        self.cache = RowCache(self.shared, policy, self._fetch, self._store, state=state)
+        self.lock = threading.Lock()
+        self.start_step = table.step
+        self.writeback = (
+            Writeback(self.apply, idle=self.clean_ahead, step=table.step)
+            if optimizer is not None
+            else None
+        )
+        self.gradient = (
+            TableGradient(table.dim, optimizer.lr, self.check_step, self.submit, parameter)
+            if optimizer is not None
+            else None
+        )
+        self.counts = dict.fromkeys(
+            (
+                "batches",
+                "hits",
+                "misses",
+                "deferred",
+                "filled_ahead",
+                "refreshed",
+                "relookups",  # batches whose ids were edited in place after their lookup
+                "ring_overruns",
+                "remote_rows",  # a sharded pipe's rows from other ranks, and served to them
+                "served_rows",
+            ),
+            0,
+        )
+        self._step_in_progress: int | None = None  # for the messages of failed table writes
+        # snapshots loaded: step numbers restart, batches claimed before are stale
+        self.generation = 0
+        self.closed = False
+        #: The policy sees the loader's next batches (``lookahead.py``); ``stream`` feeds it.
+        #: Not when the cache holds the whole table: nothing to choose then.
+        self.looks_ahead = isinstance(policy, Lookahead) and 0 < policy.cache_rows < table.num_rows
+        self.stream: Stream | None = None
+        #: The dtype the models offloaded to this table expect ``inputs_embeds`` in, when not
+        #: the table's (``model.half()``); the pipe hands it down (None: the table's own).
+        self.embeds_dtype: Callable[[], torch.dtype | None] = lambda: None
+        self.blind = False  # foresight kept missing: no more streams (``look_blind``)
+
+    # ------------------------------------------------------------------------- training loop
+    @property
+    def trains(self) -> bool:
+        return self.optimizer is not None
+
+    @property
+    def trains_now(self) -> bool:
+        """The table takes gradients: it has an optimizer and its parameter requires grad
+        (``model.get_input_embeddings().requires_grad_(False)`` freezes it, as an embedding)."""
+        return self.gradient is not None and self.gradient.parameter.requires_grad
+
+    def before_lookup(self) -> None:
+        """Called before a lookup that runs in the training loop (``num_workers=0``): in exact
+        mode, waiting for the steps submitted so far costs no more than waiting at the claim,
+        and the lookup then reads no row it must read again."""
+        if self.writeback is not None and self.consistency == "exact":
+            self.writeback.wait()
+
+    def hand_off(self, item: LookedUp, rows: np.ndarray | None, pin: bool = False) -> EmbeddedBatch:
+        """Claim a worker's lookup as the batch the loop sees (main thread).
+
+        ``rows`` is the batch's copy of its unique rows, or None when the owner must read them
+        itself (its ring slot was overwritten, or workers do not read shared memory on this CPU);
+        ``pin`` puts them in pinned memory. Waits for the writeback as the consistency mode
+        requires, re-reads the rows that changed since the lookup began, admits the misses.
+        """
+        self.check_open()
+        if self.counts["batches"] == 0 and self.gradient is not None:
+            self.gradient.see_optimizers()  # before a hand-written warmup changes their rates
+        ids = item.unique_ids
+        self._wait_for_steps()
+        step = self.applied_step  # the cache holds at least these steps' updates from here on
+        hits, misses = item.hits, item.misses
+        with self.lock:
+            if rows is None:
+                if item.lookup_step >= 0:
+                    self.counts["ring_overruns"] += 1
+                else:  # the owner does the lookup: count it here
+                    hits = int((self.shared.slot_of[ids] >= 0).sum())
+                    misses = len(ids) - hits
+                rows = self.cache.current(ids)
+            else:
+                if item.deferred is not None and len(item.deferred):
+                    self._read_deferred(ids, rows, item.deferred)
+                stale = np.flatnonzero(self.cache.last_updated[ids] > item.lookup_step)
+                if len(stale):
+                    rows[stale] = self.cache.current(ids[stale])
+                    self.counts["refreshed"] += len(stale)
+            if self.looks_ahead:
+                self.cache.policy.training = self.trains_now
+            mine, my_rows = ids, rows
+            owned = self.owns(ids)
+            if owned is not None:  # the other rows come from their owners at the read
+                mine, my_rows = ids[owned], rows[owned]
+            self.cache.admit(mine, my_rows)
+            if self.trains_now:
+                self.cache.stage(mine, my_rows)  # its step need not read them again
+                if self.looks_ahead:
+                    self.cache.policy.hold(ids)
+            tick = self.cache.clock
+        self.counts["batches"] += 1
+        self.counts["hits"] += hits
+        self.counts["misses"] += misses
+        rows_tensor = torch.from_numpy(rows)
+        return EmbeddedBatch(
+            item.fields,
+            torch.from_numpy(ids),
+            torch.from_numpy(item.inverse),
+            rows_tensor.pin_memory() if pin else rows_tensor,
+            self,
+            step=step,
+            tick=tick,
+            generation=self.generation,
+        )
+
+    def relookup(self, batch: EmbeddedBatch, ids: torch.Tensor) -> None:
+        """``batch``'s ids were edited in place after its rows were looked up: gather the rows
+        of the new ones, as a hand-off would (NOTE [ Ids edited in place ] in ``batch.py``)."""
+        self.check_open()
+        edited = as_ids(ids.detach().cpu(), self.table.num_rows, what="edited batch ids")
+        unique_ids, inverse = unique_inverse(edited, self.table.num_rows)
+        self._wait_for_steps()
+        step = self.applied_step
+        with self.lock:
+            rows = self.cache.current(unique_ids)
+            tick = self.cache.clock
+        self.counts["relookups"] += 1
+        batch._relooked(
+            torch.from_numpy(unique_ids),
+            torch.from_numpy(inverse),
+            torch.from_numpy(rows),
+            step,
+            tick,
+            self.generation,
+        )
+
+    def _read_deferred(self, ids: np.ndarray, rows: np.ndarray, deferred: np.ndarray) -> None:
+        """The misses a worker left to the owner (NOTE [ Misses read by the owner ] in
+        ``lookahead.py``): from the lookahead reader's buffer, else the cache or the table."""
+        self.counts["deferred"] += len(deferred)
+        if self.stream is not None:
+            found, read = self.stream.take(ids[deferred], rows.shape[1], rows.dtype)
+            rows[deferred[found]] = read[found]
+            self.counts["filled_ahead"] += int(found.sum())
+            deferred = deferred[~found]
+        if len(deferred):
+            rows[deferred] = self.cache.current(ids[deferred])
+
+    def refresh(self, batch: EmbeddedBatch) -> None:
+        """Make a batch's rows final as the model reads them: if steps were submitted since its
+        rows were read (it waited in a prefetcher), wait for them and re-read the rows they
+        changed. Nothing to do in the common case, a batch read before the next step."""
+        if self.writeback is None:
+            return
+        if (
+            batch.step >= self.writeback.submitted - self.behind
+            and batch.generation == self.generation
+        ):
+            return
+        self.check_open()
+        self._wait_for_steps()
+        step = self.applied_step
+        ids = batch._unique_ids.numpy()
+        with self.lock:
+            stale = np.flatnonzero(self.cache.last_updated[ids] > batch.tick)
+            fresh = self.cache.current(ids[stale]) if len(stale) else None
+            tick = self.cache.clock
+        self.counts["refreshed"] += len(stale)
+        batch._refreshed(
+            torch.from_numpy(stale),
+            torch.from_numpy(fresh) if fresh is not None else torch.empty(0),
+            step,
+            tick,
+            self.generation,
+        )
+
+    def start_stream(
+        self, dataset: Any, ids_key: str, order: Ahead, source: Any, defer: SharedBlock | None
+    ) -> Stream | None:
+        """A loader's epoch whose order is known: it feeds the lookahead policy's window, unless
+        another loader's epoch does, or foresight is off (then None)."""
+        if self.closed or self.blind:
+            return None
+        if not can_fork():
+            self.look_blind("this platform has no fork() to read the batches ahead with")
+            return None
+        with self.lock:
+            if self.stream is not None and not self.stream.finished:
+                return None
+        if self.stream is not None:
+            self.end_stream(self.stream)
+        try:
+            stream = Stream(self, dataset, ids_key, order, source, defer)  # forks: not locked
+        except OSError as e:  # fork refused (a pids limit, no memory): train on without it
+            self.look_blind(f"the foresight process could not start ({e.strerror or e})")
+            return None
+        with self.lock:
+            self.stream = stream
+        return stream
+
+    def end_stream(self, stream: Stream) -> None:
+        stream.stop()
+        if self.stream is stream:
+            self.stream = None
+
+    def look_blind(self, why: str) -> None:
+        """Stop looking ahead for the rest of this pipe (the policy is LFU from here on), and
+        say why once."""
+        if self.blind:
+            return
+        self.blind = True
+        if self.stream is not None:
+            self.end_stream(self.stream)
+        warnings.warn(
+            f"embedpipe's lookahead policy stopped looking ahead: {why}; the cache runs as LFU "
+            "from here on (training is unchanged; only rows read from disk can grow). Pass "
+            "EmbeddingPipe(..., policy='lfu') to choose that from the start",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    @property
+    def behind(self) -> int:
+        """Steps a batch's rows may miss: 0 in exact mode, ``max_staleness`` in bounded mode."""
+        return 0 if self.consistency == "exact" else self.max_staleness
+
+    def _wait_for_steps(self) -> None:
+        if self.writeback is not None:
+            self.writeback.wait(self.behind)
+
+    def owns(self, ids: np.ndarray) -> np.ndarray | None:
+        """Which of ``ids`` this owner keeps, as a mask; None when it keeps them all."""
+        lo, hi = self.owned
+        if lo == 0 and hi == self.table.num_rows:
+            return None
+        return (ids >= lo) & (ids < hi)
+
+    def on_grad(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """The gradient hook (inside backward): add the rows' gradient to the table's pending
+        gradient. The padding row gets none, as in ``nn.Embedding``: not even in a global norm."""
+        if self.closed:
+            raise RuntimeError(
+                "this EmbeddingPipe is closed: the embedding gradient of this batch cannot be applied"
+            )
+        if self.padding_idx is not None:
+            keep = unique_ids != self.padding_idx
+            if not bool(keep.all()):
+                unique_ids, grad = unique_ids[keep], grad[keep.to(grad.device)]
+        self._add_gradient(unique_ids, grad)
+
+    def _add_gradient(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
+        self.gradient.add(unique_ids, grad)
+
+    def check_step(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """Refuse a step of a closed pipe, or of a non-finite gradient (before it is taken)."""
+        self.check_open()
+        # A finite sum has no inf or NaN term: one reduction instead of an elementwise
+        # isfinite (measured 30 us against 1.1 ms for 1,000 x 256 floats on CPU).
+        if self.check_finite and not bool(torch.isfinite(grad.sum())):
+            bad = ~torch.isfinite(grad).all(dim=1)
+            if bool(bad.any()):
+                where = bad.nonzero()[:, 0].cpu()
+                bad_ids = ids[where].tolist()
+                value = grad[where[0]][~torch.isfinite(grad[where[0]])][0].item()
+                raise NonFiniteGradientError(
+                    f"non-finite embedding gradient ({value}) for id {bad_ids[0]}"
+                    + (f" and {len(bad_ids) - 1} more ids" if len(bad_ids) > 1 else "")
+                    + f" in step {self.writeback.submitted + 1}; nothing of this step was applied. "
+                    "Lower the learning rate, clip gradients or check the loss; "
+                    "check_finite=False skips this check"
+                )
+
+    def submit(self, ids: torch.Tensor, grad: torch.Tensor, lr: float | None) -> None:
+        """Queue one optimizer step of the rows ``ids`` (the pending gradient, taken by an
+        optimizer step or ``pipe.step()``, checked by :meth:`check_step`)."""
+        grad = grad.detach().to("cpu", getattr(torch, self.table.dtype.name))
+        ids = ids.numpy()
+        owned = self.owns(ids)
+        if owned is not None:  # every rank took the same step: apply this rank's rows
+            ids, grad = ids[owned], grad[torch.from_numpy(owned)]
+        self.writeback.submit(ids, grad, lr)
+
+    # ------------------------------------------------------------------------- writeback thread
+    def apply(self, ids: np.ndarray, grad: torch.Tensor, step: int, lr: float | None) -> None:
+        """One optimizer step (``lr`` None: the optimizer's own); the update itself runs outside
+        the lock, so hand-offs go on."""
+        with self.lock:
+            work = self.cache.gather(ids)
+            if self.looks_ahead:
+                self.cache.policy.release()  # the step's rows are pinned now
+        try:
+            before = work.copy() if (work.slots < 0).any() else work  # for a failed table write
+            _update_in_float32(self.optimizer, work, grad, step, lr)
+            with self.lock:
+                self._step_in_progress = step
+                tick = self.cache.scatter(work, before)
+                self.shared.publish(tick)  # last: a lookup that saw the tick sees the rows
+        except BaseException:
+            with self.lock:
+                self.cache.unpin(work)
+            raise
+        finally:
+            self._step_in_progress = None
+
+    def clean_ahead(self) -> None:
+        """Writeback thread, queue empty: write cold dirty rows while the loop is elsewhere."""
+        if self.shared.cache_rows:
+            with self.lock:
+                self.cache.clean_ahead()
+
+    # ------------------------------------------------------------------------- table I/O
+    def _fetch(self, ids: np.ndarray, name: str) -> np.ndarray:
+        return self.table._array(name).read(ids)
+
+    def _store(self, ids: np.ndarray, rows: np.ndarray, name: str) -> None:
+        try:
+            self.table._store(ids, rows, name)
+        except OSError as e:
+            raise durability.write_error(self, e, "writing rows") from e
+
+    @property
+    def applied_step(self) -> int:
+        return self.writeback.applied if self.writeback is not None else self.table.step
+
+    # ------------------------------------------------------------------------- checkpoints
+    # Their code, and what each does: ``durability.py`` (ShardOwner overrides some of them).
+    def checkpoint(self) -> Checkpoint:
+        """Apply every queued step, write every updated row and commit them as a checkpoint."""
+        return durability.checkpoint(self)
+
+    def _commit(self) -> Checkpoint:
+        return durability.commit(self)
+
+    def flush(self) -> None:
+        """Apply what is queued and write every updated row to the table's live arrays."""
+        durability.flush(self)
+
+    def before_read(self) -> None:
+        """Before a public read of the table (``table.read``): it sees the steps so far."""
+        self.flush()
+
+    def save(self, folder: str) -> Checkpoint:
+        """Commit a checkpoint, then copy it into ``folder`` as a table of its own."""
+        return durability.save(self, folder)
+
+    def _snapshot(self, checkpoint: Checkpoint, folder: str) -> TableWriteError | None:
+        return durability.snapshot(self, checkpoint, folder)
+
+    def load(self, source: Table) -> None:
+        """Make the table the snapshot ``source``, as the newest checkpoint."""
+        durability.load(self, source)
+
+    def _restore(self, source: Table) -> None:
+        self.table._restore(source.root, self.optimizer)
+
+    # ------------------------------------------------------------------------- lifecycle
+    def close(self, raise_errors: bool = True) -> None:
+        """Commit every step and release the table; can be called again after it raised."""
+        durability.close(self, raise_errors)
+
+    def _finish_close(self, error: BaseException | None, hung: bool) -> BaseException | None:
+        return durability.finish_close(self, error, hung)
+
+    def correct(self, error: object) -> None:
+        """A commit followed ``error``: make a table write error say the step it reopens at."""
+        durability.correct(self, error)
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this EmbeddingPipe is closed; make a new one")
+
+    def stats(self) -> dict[str, int]:
+        cache = self.cache.counts
+        return {
+            **self.counts,
+            # the lookups' misses they read themselves, and what the owner read
+            "rows_read": self.counts["misses"] - self.counts["deferred"] + cache["rows_read"],
+            "rows_written": cache["rows_written"],
+            "evictions": cache["evictions"],
+            "cleaned_ahead": cache["cleaned_ahead"],
+            "staged": cache["staged"],
+            "writeback_queue": self.writeback.pending if self.writeback else 0,
+            "steps": self.applied_step - self.start_step,
+            "cached_rows": int((self.shared.slot_id >= 0).sum()),
+            "dirty_rows": int(self.cache.dirty.sum()),
+        }
+
+
+def _update_in_float32(
+    optimizer: RowOptimizer, work: Update, grad: torch.Tensor, step: int, lr: float | None
+) -> None:
+    """Run the optimizer on ``work`` in place; float16 rows are updated in float32 and rounded
+    back, since an ``eps`` of 1e-8 and a squared gradient both vanish in float16."""
+    rows = torch.from_numpy(work.rows)
+    state = {name: torch.from_numpy(values) for name, values in work.state.items()}
+    if rows.dtype in (torch.float32, torch.float64):
+        optimizer.update(rows, grad, state, step, lr=lr)
+        return
+    wide = {name: values.float() for name, values in state.items()}
+    wide_rows = rows.float()
+    optimizer.update(wide_rows, grad.float(), wide, step, lr=lr)
+    rows.copy_(wide_rows)
+    for name, values in state.items():
+        values.copy_(wide[name])

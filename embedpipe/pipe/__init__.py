@@ -1,0 +1,16 @@
+"""The user's surface: the pipe, its DataLoader, and what a model holds of it.
+
+- ``handle.py``: :class:`EmbeddingPipe`, the handle on one table (options, ``parameter``,
+  ``loader``, ``step``, checkpoints, ``close``);
+- ``loader.py``: :class:`PipeLoader`, a DataLoader whose batches arrive embedded;
+- ``placeholder.py``: :class:`OffloadedEmbedding`, the module that stands where a model's
+  ``nn.Embedding`` was and holds ``pipe.parameter``;
+- ``meter.py``: :class:`PipeMeter`, the pipe's figures per logging interval for trainers' logs.
+"""
+
+from .handle import EmbeddingPipe
+from .loader import PipeLoader
+from .meter import PipeMeter
+from .placeholder import OffloadedEmbedding
+
+__all__ = ["EmbeddingPipe", "OffloadedEmbedding", "PipeLoader", "PipeMeter"]

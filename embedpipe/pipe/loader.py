@@ -1,0 +1,219 @@
+"""The DataLoader stage: a torch DataLoader whose collate does the lookup, and the claim.
+
+``PipeLoader`` is a ``torch.utils.data.DataLoader`` over the user's dataset (checking each
+sample's ids where its index is known) whose ``collate_fn`` is the worker-side
+:class:`~embedpipe.worker.lookup.Lookup`. Each batch a worker returns is an unclaimed
+:class:`~embedpipe.worker.batch.EmbeddedBatch`; ``PipeLoader`` claims it in the main process as
+``next()`` yields it (``Owner.hand_off``, through the :class:`PipeSource` the batch names).
+
+Because it is a DataLoader, and its batches claim themselves, frameworks that rebuild a loader
+from its dataset and ``collate_fn`` get working batches too: Accelerate's ``prepare`` and
+``skip_first_batches``, Trainer's resume. Their batches are claimed at the first ``.to(device)``
+or read (NOTE [ Rows are final when the model first reads them ] in ``batch.py``).
+Everything the DataLoader offers (workers, prefetching, persistent workers, pinned memory, the
+start method) works as usual.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, default_convert
+
+from ..cache import budget
+from ..cache.ring import DEFAULT_RING_ROWS, BatchRing
+from ..cache.shm import SharedBlock
+from ..errors import WorkerDiedError
+from ..owner.lookahead import Foresight
+from ..worker.batch import EmbeddedBatch
+from ..worker.collate import PadCollator
+from ..worker.looked_up import LookedUp
+from ..worker.lookup import CheckedDataset, CheckedIterable, Lookup
+from ..worker.orphans import WatchParent
+
+if TYPE_CHECKING:
+    from ..owner.owner import Owner
+
+#: How long a broken connection to a worker waits for that worker's exit to be seen.
+DEAD_WORKER_SECONDS = 5.0
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+class PipeSource:
+    """The main-process side of a loader's lookups: claims its batches (``batch.py``)."""
+
+    def __init__(self, owner: Owner, ring: BatchRing | None, pin: bool) -> None:
+        self.owner = owner
+        self.ring = ring
+        self.pin = pin and torch.cuda.is_available()
+        self._warned = False
+
+    def claim(self, item: LookedUp, pin: bool) -> EmbeddedBatch:
+        if item.slot >= 0 and self.ring is not None:
+            rows = self.ring.read(item.slot, item.tag, len(item.unique_ids))
+        else:
+            rows = item.rows
+            if self.ring is not None and rows is not None and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"a batch of {len(item.unique_ids):,} unique ids did not fit the workers' "
+                    f"ring ({self.ring.rows_per_slot:,} rows a slot) and came through torch's "
+                    "slower tensor path (correct, several times slower); pass "
+                    f"pipe.loader(..., ring_rows={len(item.unique_ids) * 2}) or more",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+        stream = self.owner.stream
+        if stream is not None and stream.source is self:  # one of the batches it foresaw
+            stream.claim(item.unique_ids)
+            if stream.blind:
+                self.owner.look_blind(
+                    "the ids of most of the last batches differed from those a second read of "
+                    "the dataset gave for the same indices (a dataset that draws at random), or "
+                    "reading them ahead could not keep up with the loader"
+                )
+        return self.owner.hand_off(item, rows, self.pin or (pin and torch.cuda.is_available()))
+
+
+class PipeLoader(DataLoader):
+    """A DataLoader of :class:`EmbeddedBatch`; arguments as ``EmbeddingPipe.loader``, which
+    passes itself as ``pipe`` (its owner looks the batches up; the loader keeps it alive)."""
+
+    def __init__(
+        self,
+        pipe: Any,
+        dataset: Dataset,
+        *,
+        batch_size: int | None,
+        shuffle: bool | None,
+        num_workers: int,
+        collate_fn: Any,
+        ids_key: str,
+        ring_rows: int | None,
+        **dataloader_kwargs: Any,
+    ) -> None:
+        owner = pipe._owner
+        table = owner.table
+        if isinstance(dataset, IterableDataset):
+            checked: Dataset = CheckedIterable(dataset, ids_key, table.num_rows)
+        else:
+            checked = CheckedDataset(dataset, ids_key, table.num_rows)
+        ring = None
+        if num_workers > 0 and owner.workers_read_shared:
+            # one slot more than batches in flight, one more for a batch a framework holds
+            # unclaimed one ahead (ring.py's NOTE)
+            depth = (dataloader_kwargs.get("prefetch_factor") or 2) + 2
+            rows = ring_rows or min(table.num_rows, DEFAULT_RING_ROWS)
+            size = budget.pipe_memory(
+                table.num_rows,
+                table.dim,
+                table.dtype,
+                0,
+                num_workers=num_workers,
+                prefetch_factor=depth - 2,
+                ring_rows=rows,
+            )["ring"]
+            budget.warn_if_too_big(size, f"the batch ring of {num_workers} workers", stacklevel=4)
+            ring = BatchRing(num_workers, depth, rows, table.dim, table.dtype)
+        if collate_fn is None:  # as the DataLoader: no batching, no stacking, but pad ragged ids
+            unbatched = batch_size is None and "batch_sampler" not in dataloader_kwargs
+            collate_fn = default_convert if unbatched else PadCollator(owner.padding_idx, ids_key)
+        source = PipeSource(owner, ring, bool(dataloader_kwargs.get("pin_memory")))
+        shared = owner.shared if owner.workers_read_shared else None
+        # set while a lookahead stream reads this loader's misses (NOTE [ Misses read by the owner ])
+        self._defer = (
+            SharedBlock({"misses": ((1,), np.int8, 0)})
+            if ring is not None and owner.looks_ahead
+            else None
+        )
+        lookup = Lookup(collate_fn, ids_key, table, shared, ring, source, self._defer, owner.owned)
+        if num_workers > 0:  # NOTE [ Workers die with the training process ]: from their start
+            init = dataloader_kwargs.get("worker_init_fn")
+            dataloader_kwargs["worker_init_fn"] = WatchParent(init)
+        super().__init__(
+            checked,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            num_workers=num_workers,
+            collate_fn=lookup,
+            **dataloader_kwargs,
+        )
+        self.pipe = pipe  # kept alive while the loader is
+        self.ring = ring
+        self.ids_key = ids_key
+        if (
+            owner.looks_ahead
+            and type(self.batch_sampler) is BatchSampler  # the default: batch_size=, shuffle=
+            and getattr(self, "in_order", True)
+        ):
+            # The batches' order is the batch sampler's: a Foresight in its place (the same
+            # batches) lets the lookahead policy see it, in this loader and in the loaders
+            # frameworks build from its batch sampler (Accelerate's prepare and
+            # skip_first_batches). DataLoader refuses the attribute after __init__: set it anyway.
+            sight = Foresight(self.batch_sampler, owner, dataset, ids_key, source, self._defer)
+            object.__setattr__(self, "batch_sampler", sight)
+
+    def __iter__(self) -> Iterator[EmbeddedBatch]:  # type: ignore[override]
+        try:
+            for batch in self._batches():
+                yield batch._claim()
+        finally:
+            if isinstance(self.batch_sampler, Foresight):
+                self.batch_sampler.stop()  # an epoch left early: the window is free again
+
+    def _batches(self) -> Iterator[EmbeddedBatch]:
+        """The DataLoader's output, with a failed batch ending the epoch cleanly."""
+        iterator = super().__iter__()
+        inline = self.num_workers == 0  # the lookup runs at next(), in this thread
+        try:
+            while True:
+                if inline:  # exact mode: look up after the steps taken so far are applied
+                    self.pipe._owner.before_lookup()
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    return
+                yield batch
+        except Exception as e:
+            # A failed batch (a dead worker, a bad sample) ends the epoch: stop the workers now
+            # rather than when the traceback that references the iterator is collected. A dead
+            # worker surfaces in torch as a RuntimeError or, mid-transfer, a ConnectionResetError:
+            # name the worker either way.
+            try:
+                dead = _dead_workers(iterator, wait=isinstance(e, (ConnectionError, EOFError)))
+            finally:  # torch's SIGCHLD handler may raise here too; shut down all the same
+                shutdown = getattr(iterator, "_shutdown_workers", None)
+                if shutdown is not None:
+                    shutdown()
+            if dead:
+                raise WorkerDiedError(
+                    f"DataLoader worker (pid {dead[0].pid}) died ({_exit_reason(dead[0].exitcode)}) "
+                    "while loading batches; see the worker's own output above for why "
+                    "(out of memory is the usual cause of a SIGKILL)"
+                ) from e
+            raise
+
+
+def _dead_workers(iterator: Any, wait: bool) -> list[Any]:
+    """The iterator's workers that have exited with an error. A broken connection means one
+    died mid-transfer, though its exit may not be reaped yet: then look again for a while."""
+    deadline = time.monotonic() + (DEAD_WORKER_SECONDS if wait else 0)
+    while True:
+        dead = [w for w in getattr(iterator, "_workers", ()) if w.exitcode not in (None, 0)]
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.05)

@@ -1,0 +1,284 @@
+"""Row shards: one table trained by the ranks of a ``torch.distributed`` job, each rank the only
+owner of a range of its rows.
+
+NOTE [ One table over N ranks ]
+Inside an initialised process group of N > 1 ranks (``torchrun``), a pipe that trains its table is
+split by row range, at chunk boundaries, into N shards; rank i owns shard i: its cache, its
+optimizer state and its writeback, exactly as a single-process pipe owns the whole table, and no
+two ranks ever write one chunk file. Each rank's DataLoader workers read only that rank's rows;
+the rest of a batch comes from the other owners. Three collectives, on a gloo group of embedpipe's
+own (rows live in host memory; DDP's traffic on the default group is never interleaved with ours):
+
+- **rows** (when the model reads a batch: ``ShardOwner.refresh``): each rank asks every owner for the
+  batch's rows it does not own (``all_to_all_single`` of ids, then of rows). An owner first waits
+  for its writeback to apply the steps submitted so far, so the rows are those an ``nn.Embedding``
+  replicated by DDP would hold at that moment.
+- **gradient** (in backward, when the rows' gradient arrives: ``ShardOwner._add_gradient``):
+  every rank gathers every rank's (ids, gradient) and sums them, each scaled by 1/N, in rank
+  order: DDP's averaged gradient of a replicated ``nn.Embedding``, restricted to the rows that
+  have one. Every rank then holds the same ``pipe.parameter.grad``, so ``clip_grad_norm_``
+  computes the norm DDP would on every rank, and accumulation adds as ``.grad`` does.
+- **step**: no message. Every rank takes the same gradient at the same optimizer step; each owner
+  applies the rows of its shard and ignores the others.
+
+Checkpoints are one commit for all shards (``ShardOwner.checkpoint``): every owner writes its
+dirty rows, all agree that they did, then rank 0, which holds the table's writer lock, commits the
+live arrays as one checkpoint (hard links: ``checkpoints.py``); a rank writing after that copies
+the chunk first, as a single owner does. A crash before the commit leaves the previous checkpoint.
+Loading a snapshot is the same order: every owner applies its queued steps and stops writing,
+all agree, then rank 0 restores every shard's files::
+
+    rank 0:   header | write rows | agree | commit (link, fsync, rename) | agree
+    rank k:   header | write rows | agree | (waits)                       | agree
+
+Every exchange starts with a header that every rank contributes to: what it is doing, its step,
+its count of loaded snapshots. Ranks that disagree (one reads a batch while another steps, one
+has stepped once more) raise :class:`~embedpipe.errors.ShardMismatchError` on every rank instead
+of exchanging the wrong tensors. A rank that dies or stops answering makes the others raise
+:class:`~embedpipe.errors.PeerLostError` at their next exchange: at once when its connections
+close, after ``timeout`` seconds when it hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..errors import PeerLostError, ShardMismatchError
+
+#: What a rank does in an exchange (the header's first value); every rank must do the same.
+ROWS, GRADIENT, COMMIT, LOAD, CLOSE, FLUSH = 1, 2, 3, 4, 5, 6
+_DOING = {
+    ROWS: "reading a batch's rows",
+    GRADIENT: "adding a backward pass's gradient",
+    COMMIT: "taking a checkpoint",
+    LOAD: "loading a snapshot",
+    CLOSE: "closing the pipe",
+    FLUSH: "flushing the pipe",
+}
+#: Seconds a rank waits for the others at an exchange before it raises: torch's own default for
+#: a process group (30 minutes), since a rank may rightly be busy that long between two
+#: exchanges (rank 0 writing a large model's checkpoint while the others wait at their next
+#: batch). A rank that dies is seen at once, whatever this is.
+DEFAULT_TIMEOUT = 1800.0
+
+
+def process_group(group: Any = None) -> Any:
+    """``group``, or the default process group when one of more than one rank is initialised;
+    None when this process trains alone."""
+    if group is not None:
+        return group
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+def split(num_rows: int, chunk_rows: int, shards: int) -> np.ndarray:
+    """The row bounds of ``shards`` shards, whole chunks each: shard i is rows
+    ``[bounds[i], bounds[i + 1])``. With fewer chunks than shards, some shards are empty."""
+    chunks = -(-num_rows // chunk_rows)
+    edges = np.arange(shards + 1, dtype=np.int64) * chunks // shards
+    return np.minimum(edges * chunk_rows, num_rows)
+
+
+class Shards:
+    """This rank's place in a sharded table, and the collectives of the NOTE.
+
+    ``group``: the user's process group (the default one for ``torchrun``); embedpipe talks on a
+    gloo group over the same ranks, made here (every rank of the job must make its pipe).
+    """
+
+    def __init__(self, group: Any, timeout: float = DEFAULT_TIMEOUT) -> None:
+        ranks = dist.get_process_group_ranks(group)
+        self.group = dist.new_group(
+            ranks, timeout=datetime.timedelta(seconds=timeout), backend="gloo"
+        )
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+        self.timeout = timeout
+        self.bounds = np.zeros(self.size + 1, dtype=np.int64)
+        #: The first failure (a peer lost, ranks out of step): every later exchange raises it.
+        self.lost: PeerLostError | ShardMismatchError | None = None
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0 holds the table's writer lock and commits the checkpoints."""
+        return self.rank == 0
+
+    def plan(self, num_rows: int, chunk_rows: int) -> None:
+        self.bounds = split(num_rows, chunk_rows, self.size)
+
+    def layout(self) -> dict[str, Any]:
+        """The table's ``shards`` metadata (``embedpipe info`` shows it)."""
+        return {"ranks": self.size, "bounds": self.bounds.tolist()}
+
+    @property
+    def owned(self) -> tuple[int, int]:
+        """The rows this rank owns, ``[lo, hi)``."""
+        return int(self.bounds[self.rank]), int(self.bounds[self.rank + 1])
+
+    def owns(self, ids: np.ndarray) -> np.ndarray:
+        lo, hi = self.owned
+        return (ids >= lo) & (ids < hi)
+
+    def owner_of(self, ids: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.bounds, ids, side="right") - 1
+
+    def describe(self) -> str:
+        lo, hi = self.owned
+        return f"rank {self.rank} of {self.size} (rows {lo:,} to {hi:,})"
+
+    # --------------------------------------------------------------------------- exchanges
+    def _call(self, what: str, collective: Callable[[], Any]) -> Any:
+        """Run a collective; a peer that died or hangs becomes a PeerLostError (see the NOTE)."""
+        if self.lost is not None:
+            raise self.lost
+        start = time.monotonic()
+        try:
+            return collective()
+        except RuntimeError as e:  # gloo: "Connection closed by peer", a timeout
+            waited = time.monotonic() - start
+            cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            self.lost = PeerLostError(
+                f"rank {self.rank} of {self.size} (pid {os.getpid()}) lost the other ranks of the "
+                f"sharded table while {what}, after {waited:.1f} s: {cause}. A rank died or stopped "
+                "answering (its own log says why); the table reopens at its last checkpoint, "
+                "which every rank reached together"
+            )
+            raise self.lost from e
+
+    def _header(self, doing: int, step: int, generation: int, values: list[int]) -> np.ndarray:
+        """Every rank's header (rank, [doing, step, generation, *values]); raises on every rank
+        if they are not doing the same thing at the same step. Every header has the same size
+        (values padded to one per rank), so that ranks out of step exchange headers they can
+        compare: gloo aborts the process on a collective whose sizes differ between ranks."""
+        padded = [*values, *[0] * (self.size - len(values))]
+        mine = torch.tensor([doing, step, generation, *padded], dtype=torch.int64)
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        self._call(_DOING[doing], lambda: dist.all_gather(parts, mine, group=self.group))
+        headers = torch.stack(parts).numpy()
+        if (headers[:, :3] != headers[0, :3]).any():
+            lines = [
+                f"rank {r}: {_DOING.get(int(h[0]), h[0])} at step {h[1]} (snapshots loaded: {h[2]})"
+                for r, h in enumerate(headers)
+            ]
+            self.lost = ShardMismatchError(
+                "the ranks of a sharded table are out of step: "
+                + "; ".join(lines)
+                + ". Every rank must run the same loop: read each batch's inputs_embeds, "
+                "run backward and step as the others do (a DistributedSampler with "
+                "drop_last=True gives every rank the same number of batches)"
+            )
+            raise self.lost  # the collectives are out of step: none may run again
+        return headers[:, 3:]
+
+    def rows(
+        self,
+        step: int,
+        generation: int,
+        wanted: np.ndarray,
+        serve: Callable[[np.ndarray], np.ndarray],
+        dim: int,
+        dtype: np.dtype,
+    ) -> np.ndarray:
+        """The rows ``wanted`` (ids this rank does not own, sorted), from their owners; this
+        rank answers the others' requests with ``serve(ids)`` (rows of ids it owns)."""
+        owners = self.owner_of(wanted)
+        counts = np.bincount(owners, minlength=self.size)
+        asked = self._header(ROWS, step, generation, counts.tolist())  # asked[i, k]: i asks k
+        to_me = asked[:, self.rank]
+        if not asked.any():
+            return np.empty((0, dim), dtype=dtype)
+        requests = torch.empty(int(to_me.sum()), dtype=torch.int64)
+        self._call(
+            _DOING[ROWS],
+            lambda: dist.all_to_all_single(
+                requests,
+                torch.from_numpy(np.ascontiguousarray(wanted, dtype=np.int64)),
+                to_me.tolist(),
+                counts.tolist(),
+                group=self.group,
+            ),
+        )
+        failed: BaseException | None = None
+        try:
+            served = np.ascontiguousarray(serve(requests.numpy()), dtype=dtype)
+        except BaseException as e:  # a failed write of an evicted row, a writeback error
+            # The others wait in the exchange below: complete it (with rows that are never
+            # used), then refuse every later exchange. The others raise PeerLostError at their
+            # next one (backward's), so no step ever takes these rows.
+            failed, served = e, np.zeros((int(to_me.sum()), dim), dtype=dtype)
+        answer = torch.from_numpy(served)
+        got = torch.empty((len(wanted), dim), dtype=answer.dtype)
+        self._call(
+            _DOING[ROWS],
+            lambda: dist.all_to_all_single(
+                got, answer, counts.tolist(), to_me.tolist(), group=self.group
+            ),
+        )
+        if failed is not None:
+            self.lost = ShardMismatchError(
+                f"{self.describe()} failed to serve its rows to the other ranks "
+                f"({type(failed).__name__}: {failed}); the ranks cannot go on together"
+            )
+            raise failed
+        return got.numpy()
+
+    def gradient(
+        self, step: int, generation: int, ids: torch.Tensor, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's (ids, gradient), each gradient times 1/N and summed in rank order: the
+        average DDP takes, over the union of the ranks' ids (sorted). Same on every rank."""
+        counts = self._header(GRADIENT, step, generation, [len(ids)])[:, 0]
+        top = int(counts.max())
+        device, dtype, dim = grad.device, grad.dtype, grad.shape[1]
+        padded_ids = torch.zeros(top, dtype=torch.int64)
+        padded_ids[: len(ids)] = ids
+        padded = torch.zeros(top, dim, dtype=dtype)
+        padded[: len(ids)] = grad.detach().to("cpu")
+        all_ids = [torch.empty_like(padded_ids) for _ in range(self.size)]
+        all_grads = [torch.empty_like(padded) for _ in range(self.size)]
+        self._call(
+            _DOING[GRADIENT],
+            lambda: (
+                dist.all_gather(all_ids, padded_ids, group=self.group),
+                dist.all_gather(all_grads, padded, group=self.group),
+            ),
+        )
+        every_id = torch.cat([t[:n] for t, n in zip(all_ids, counts.tolist())])
+        every_grad = torch.cat([t[:n] for t, n in zip(all_grads, counts.tolist())])
+        union, where = torch.unique(every_id, return_inverse=True)
+        total = torch.zeros(len(union), dim, dtype=dtype)
+        total.index_add_(0, where, every_grad * (1.0 / self.size))  # as DDP: divide, then sum
+        return union, total.to(device)
+
+    def begin(self, doing: int, step: int, generation: int) -> None:
+        """The header of an exchange that moves no tensors (a checkpoint, a load, close)."""
+        self._header(doing, step, generation, [])
+
+    def agree(self, error: BaseException | None, what: str, result: Any = None) -> Any:
+        """Every rank's outcome of ``what``: raises on every rank if one failed, else returns
+        rank 0's ``result``."""
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        outcomes: list[Any] = [None] * self.size
+        self._call(what, lambda: dist.all_gather_object(outcomes, (mine, result), group=self.group))
+        failed = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
+        if failed:
+            if error is not None:
+                raise error
+            rank, message = failed[0]
+            raise ShardMismatchError(f"rank {rank} failed {what}: {message}")
+        return outcomes[0][1]
+
+    def close(self) -> None:
+        if self.lost is None:
+            with contextlib.suppress(RuntimeError, ValueError):  # gone with the default group
+                dist.destroy_process_group(self.group)

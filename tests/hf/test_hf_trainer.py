@@ -1,0 +1,235 @@
+"""embedpipe.hf.Trainer against transformers.Trainer with nn.Embedding: the same training.
+
+Both runs: a tiny BERT with dropout, AdamW on the dense weights and Adagrad on the table in one
+optimizer, max_grad_norm small enough to clip every step, gradient accumulation 2 over an epoch
+boundary (9 batches an epoch: a short last group), a linear schedule with warmup, 2 workers; the
+offloaded run caches 5% of the table. Measured (torch 2.13, CPU): tables, dense weights and the
+logged grad norms are equal bit for bit, so the tests ask for that.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import embedpipe
+
+from ..frameworks import (
+    DENSE_LR,
+    VOCAB,
+    bert,
+    dense_state,
+    max_diff,
+    offloaded,
+    samples,
+    with_adagrad_table,
+)
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 10  # 2 epochs of 9 batches, in groups of 2, 2, 2, 2, 1
+
+
+def arguments(folder, **overrides) -> transformers.TrainingArguments:
+    options = dict(
+        output_dir=str(folder),
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=8,
+        gradient_accumulation_steps=2,
+        num_train_epochs=2,
+        max_grad_norm=0.05,
+        learning_rate=DENSE_LR,
+        adam_epsilon=1e-6,
+        weight_decay=0.01,
+        lr_scheduler_type="linear",
+        warmup_steps=3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        dataloader_num_workers=2,
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    options.update(overrides)
+    return transformers.TrainingArguments(**options)
+
+
+class ReferenceTrainer(transformers.Trainer):
+    """transformers.Trainer, with torch Adagrad on the word embeddings in its optimizer."""
+
+    def create_optimizer(self, model=None):
+        embedding = self.model.get_input_embeddings().weight
+        embedding.requires_grad_(False)  # Trainer's AdamW groups leave it out
+        try:
+            dense = super().create_optimizer(model)
+        finally:
+            embedding.requires_grad_(True)
+        self.optimizer = with_adagrad_table(dense, embedding)
+        return self.optimizer
+
+
+def grad_norms(trainer) -> list[float]:
+    return [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+
+
+def train_embedpipe(folder, data, *, resume: str | None = None, **overrides):
+    model = bert()
+    pipe = offloaded(model, folder / "table.zarr", cache_rows=VOCAB // 20)
+    trainer = embedpipe.hf.Trainer(
+        model=model, args=arguments(folder / "out", **overrides), train_dataset=data, pipe=pipe
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, pipe
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The reference run and the embedpipe run (with checkpoints every 4 steps)."""
+    folder = tmp_path_factory.mktemp("trainer")
+    data, held_out = samples(36), samples(16, seed=1)
+    reference = ReferenceTrainer(
+        model=bert(), args=arguments(folder / "reference"), train_dataset=data
+    )
+    reference.train()
+    reference_eval = reference.evaluate(held_out)
+    reference_predictions = reference.predict(held_out).predictions
+    trainer, pipe = train_embedpipe(folder / "embedpipe", data, save_strategy="steps", save_steps=4)
+    evaluation = trainer.evaluate(held_out)
+    predictions = trainer.predict(held_out).predictions
+    pipe.flush()
+    yield {
+        "folder": folder,
+        "data": data,
+        "reference": reference,
+        "reference_eval": reference_eval,
+        "trainer": trainer,
+        "pipe": pipe,
+        "eval": evaluation,
+        "predictions": (reference_predictions, predictions),
+    }
+    pipe.close()
+
+
+def test_trainer_trains_the_same_table_and_dense_weights_as_nn_embedding(runs):
+    reference, trainer, pipe = runs["reference"], runs["trainer"], runs["pipe"]
+    assert reference.state.global_step == trainer.state.global_step == STEPS
+    assert pipe.table.step == STEPS
+    expected = reference.model.get_input_embeddings().weight.detach()
+    table = pipe.table.to_tensor()
+    moved = float((expected - bert().get_input_embeddings().weight.detach()).abs().max())
+    assert moved > 1e-3  # the table did train
+    assert torch.equal(table, expected), f"table differs by {(table - expected).abs().max()}"
+    assert max_diff(dense_state(trainer.model), dense_state(reference.model)) == 0.0
+
+
+def test_clipping_counts_the_table_in_the_logged_grad_norm(runs):
+    reference, trainer = runs["reference"], runs["trainer"]
+    expected, got = grad_norms(reference), grad_norms(trainer)
+    assert len(got) == STEPS
+    assert min(expected) > 0.05  # every step was clipped
+    assert got == expected
+
+
+def test_evaluation_and_prediction_run_through_the_pipe(runs):
+    assert runs["eval"]["eval_loss"] == runs["reference_eval"]["eval_loss"]
+    expected, got = runs["predictions"]
+    assert got.shape == expected.shape == (16, 2)
+    assert (got == expected).all()
+
+
+def test_every_checkpoint_holds_the_table_at_its_step(runs):
+    out = runs["folder"] / "embedpipe" / "out"
+    for step in (4, 8):
+        snapshot = out / f"checkpoint-{step}" / "embedpipe-table"
+        with embedpipe.Table.open(snapshot) as table:
+            assert table.step == step
+
+
+def test_resuming_into_a_fresh_table_equals_the_uninterrupted_run(runs, tmp_path):
+    checkpoint = runs["folder"] / "embedpipe" / "out" / "checkpoint-4"
+    trainer, pipe = train_embedpipe(tmp_path, runs["data"], resume=str(checkpoint))
+    try:
+        assert trainer.state.global_step == STEPS
+        pipe.flush()
+        assert torch.equal(pipe.table.to_tensor(), runs["pipe"].table.to_tensor())
+        assert max_diff(dense_state(trainer.model), dense_state(runs["trainer"].model)) == 0.0
+    finally:
+        pipe.close()
+
+
+def test_resuming_from_a_checkpoint_without_a_table_says_so(runs, tmp_path):
+    checkpoint = tmp_path / "checkpoint-4"
+    os.symlink(runs["folder"] / "embedpipe" / "out" / "checkpoint-4", tmp_path / "real")
+    checkpoint.mkdir()
+    for name in os.listdir(tmp_path / "real"):
+        if name != "embedpipe-table":
+            os.symlink(tmp_path / "real" / name, checkpoint / name)
+    with pytest.raises(FileNotFoundError, match="holds no table snapshot"):
+        train_embedpipe(tmp_path / "run", runs["data"], resume=str(checkpoint))
+
+
+def test_save_model_writes_a_folder_from_pretrained_loads_with_the_trained_table(runs, tmp_path):
+    runs["trainer"].save_model(str(tmp_path / "saved"))
+    model, info = transformers.BertForSequenceClassification.from_pretrained(
+        tmp_path / "saved", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert torch.equal(model.get_input_embeddings().weight, runs["pipe"].table.to_tensor())
+    # and the trainer's model is offloaded still, training on
+    assert isinstance(runs["trainer"].model.get_input_embeddings(), embedpipe.hf.OffloadedEmbedding)
+
+
+def test_from_pretrained_on_a_checkpoint_folder_loads_the_trained_table(runs):
+    """A checkpoint's model file holds the table's rows at its step, streamed from the snapshot
+    (before, from_pretrained gave freshly initialised word embeddings with one MISSING line)."""
+    checkpoint = runs["folder"] / "embedpipe" / "out" / "checkpoint-4"
+    model, info = transformers.BertForSequenceClassification.from_pretrained(
+        checkpoint, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with embedpipe.Table.open(checkpoint / "embedpipe-table") as table:
+        assert torch.equal(model.get_input_embeddings().weight, table.to_tensor())
+
+
+def test_the_pipes_figures_are_in_the_training_logs(runs):
+    lines = [e for e in runs["trainer"].state.log_history if "loss" in e]
+    assert lines and all("embedpipe/hit_rate" in e for e in lines)
+    assert all(0 <= e["embedpipe/hit_rate"] <= 1 for e in lines)
+    assert all(e["embedpipe/rows_read_per_step"] >= 0 for e in lines)
+    assert all(e["embedpipe/writeback_lag"] >= 0 for e in lines)
+
+
+def test_loaders_are_the_pipes_and_no_module_global_is_patched(tmp_path):
+    """Trainer's get_*_dataloader overrides build pipe.loader themselves: transformers' module
+    global DataLoader stays torch's, even while Trainer's samplers are made (where the loader
+    is built; before, it was swapped for pipe.loader there)."""
+    seen = []
+
+    class Watching(embedpipe.hf.Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            seen.append(transformers.trainer.DataLoader is torch.utils.data.DataLoader)
+            return super()._get_train_sampler(*args, **kwargs)
+
+        def _get_eval_sampler(self, *args, **kwargs):
+            seen.append(transformers.trainer.DataLoader is torch.utils.data.DataLoader)
+            return super()._get_eval_sampler(*args, **kwargs)
+
+    model = bert()
+    pipe = offloaded(model, tmp_path / "table.zarr", cache_rows=VOCAB // 20)
+    try:
+        args = arguments(tmp_path / "out", dataloader_num_workers=0)
+        trainer = Watching(model=model, args=args, train_dataset=samples(8), pipe=pipe)
+        loaders = [
+            trainer.get_train_dataloader(),
+            trainer.get_eval_dataloader(samples(4)),
+            trainer.get_test_dataloader(samples(4)),
+        ]
+        assert seen == [True, True, True]
+        for loader, size in zip(loaders, (4, 4, 4)):
+            batch = next(iter(loader))
+            assert batch["inputs_embeds"].shape[0] == size
+    finally:
+        pipe.close()

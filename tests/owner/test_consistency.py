@@ -1,0 +1,85 @@
+"""Exact and bounded consistency, checked by counting versions.
+
+Every batch looks up every row once and its loss is ``-inputs_embeds.sum()``, so SGD with lr 1
+adds exactly 1 to every row per step: a row's value is the number of updates it has seen. When
+batch k is handed out, k steps have been submitted; a batch that sees value v is k - v steps stale.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+import embedpipe
+from embedpipe.pipe import EmbeddingPipe
+
+from ..helpers import slow
+
+V, D, BATCHES = 40, 4, 60
+
+
+@dataclass(frozen=True)
+class SlowSGD(embedpipe.optim.SGD):
+    """SGD whose update takes ``delay`` seconds: a writeback that lags behind the loop."""
+
+    delay: float = 0.0
+
+    def update(self, rows, grad, state, step, lr=None):
+        time.sleep(self.delay)
+        super().update(rows, grad, state, step, lr=lr)
+
+
+def staleness(tmp_path, *, delay, num_workers, cache_rows, **options) -> list[int]:
+    embedpipe.Table.create(tmp_path / "t.zarr", V, D, init="zeros", chunk_rows=8).close()
+    data = [{"input_ids": torch.randperm(V)} for _ in range(BATCHES)]
+    seen = []
+    optimizer = SlowSGD(lr=1.0, delay=delay)
+    with EmbeddingPipe(
+        tmp_path / "t.zarr", cache_rows=cache_rows, optimizer=optimizer, **options
+    ) as pipe:
+        kwargs = {"prefetch_factor": 4} if num_workers else {}
+        for k, batch in enumerate(
+            pipe.loader(data, batch_size=1, num_workers=num_workers, **kwargs)
+        ):
+            embeds = batch["inputs_embeds"]  # (1, V, D)
+            values = embeds[0, :, 0].detach()
+            assert torch.equal(embeds[0].detach(), values[:, None].expand(V, D))  # whole rows
+            seen.append(k - int(values.min()))  # the stalest row of the batch
+            (-embeds).sum().backward()
+            pipe.step()
+    table = embedpipe.Table.open(tmp_path / "t.zarr").to_tensor()
+    assert torch.equal(table, torch.full((V, D), float(BATCHES)))  # nothing lost, nothing twice
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "cache_rows"),
+    [(0, V), slow(2, V), (2, 10), slow(2, 0)],
+)
+def test_exact_mode_never_serves_a_stale_row(tmp_path, num_workers, cache_rows):
+    assert (
+        max(staleness(tmp_path, delay=0.005, num_workers=num_workers, cache_rows=cache_rows)) == 0
+    )
+
+
+@pytest.mark.parametrize(
+    ("max_staleness", "num_workers", "cache_rows"),
+    [(1, 0, V), slow(3, 0, V), slow(1, 2, 10), (3, 2, 10)],
+)
+def test_bounded_mode_respects_and_reaches_the_bound(
+    tmp_path, max_staleness, num_workers, cache_rows
+):
+    seen = staleness(
+        tmp_path,
+        delay=0.02,
+        num_workers=num_workers,
+        cache_rows=cache_rows,
+        consistency="bounded",
+        max_staleness=max_staleness,
+    )
+    assert max(seen) <= max_staleness  # never older than the bound...
+    assert np.mean(np.array(seen) == max_staleness) > 0.5  # ...and under load, mostly at it

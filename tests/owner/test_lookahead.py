@@ -1,0 +1,390 @@
+"""The lookahead policy and the stream that feeds it: the window's bookkeeping, rows read against
+Belady's optimum, rows that handed-out and in-flight batches need, and exact training."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import embedpipe
+from embedpipe.cache.policy import NEVER, Lookahead, make_policy
+from embedpipe.cache.rowcache import RowCache, SharedRows
+from embedpipe.owner.lookahead import Ahead
+from embedpipe.tools import simulate
+
+from ..helpers import VOCAB, train_offloaded, train_reference, zipf_dataset
+
+
+def ids(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
+
+
+def test_the_window_tracks_each_rows_next_use():
+    policy = Lookahead(cache_rows=2, num_rows=8, window=4)
+    for batch in (ids(1, 2), ids(2, 3), ids(1, 4)):  # batches 0, 1, 2
+        policy.foresee(batch)
+    assert policy.next_use[[1, 2, 3, 4, 5]].tolist() == [0, 0, 1, 2, NEVER]
+    policy.advance()  # batch 0 handed off: 1 is next used by batch 2, 2 by batch 1
+    assert policy.next_use[[1, 2, 3, 4]].tolist() == [2, 1, 1, 2]
+    policy.advance()
+    assert policy.next_use[[1, 2, 3, 4]].tolist() == [2, NEVER, NEVER, 2]
+    policy.foresee(ids(2))  # batch 3
+    assert policy.next_use[2] == 3
+    policy.restart()
+    assert (policy.next_use == NEVER).all() and policy.foreseen == 0
+    policy.foresee(ids(4))  # after a restart, entries of the old window do not link to it
+    policy.advance()
+    assert policy.next_use[4] == NEVER
+
+
+def test_the_window_survives_growing_its_entry_buffer():
+    rng = np.random.default_rng(0)
+    policy = Lookahead(cache_rows=10, num_rows=5000, window=8)
+    window = []
+    for _ in range(300):
+        batch = np.unique(rng.integers(0, 5000, 600))
+        policy.foresee(batch)
+        window.append(batch)
+        if len(window) > 8:
+            policy.advance()
+            window.pop(0)
+        expected = np.full(5000, NEVER)
+        for n in range(len(window) - 1, -1, -1):
+            expected[window[n]] = policy._foreseen - len(window) + n
+        assert np.array_equal(policy.next_use, expected)
+
+
+@pytest.mark.parametrize("trace", ["zipf", "scan"])
+def test_lookahead_reads_as_few_rows_as_beladys_optimum(trace):
+    rng = np.random.default_rng(1)
+    if trace == "zipf":
+        tokens = np.minimum(rng.zipf(1.1, size=(60 * 16, 32)), 3000) - 1
+    else:  # a scan larger than the cache, over and over: LRU and LFU read every row
+        tokens = np.tile(np.arange(3000).reshape(-1, 50), (3, 1))
+    sets = simulate.batch_sets(tokens, 16)
+    for cache_rows in (30, 150, 600):
+        optimum = simulate.rows_read(sets, 3000, cache_rows, "belady")
+        lookahead = simulate.rows_read(sets, 3000, cache_rows, "auto")
+        lfu = simulate.rows_read(sets, 3000, cache_rows, "lfu")
+        assert lookahead <= 1.01 * optimum, (cache_rows, lookahead, optimum)
+        assert lookahead <= lfu
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_real_loader_feeds_the_window_and_reads_the_optimum(tmp_path, num_workers):
+    """With workers, the batches in flight leave their misses to the owner, which reads each
+    row once for all of them (NOTE [ Misses read by the owner ]): still the optimum."""
+    rng = np.random.default_rng(2)
+    tokens = np.minimum(rng.zipf(1.1, size=(40 * 8, 16)), 2000) - 1
+    sets = simulate.batch_sets(tokens, 8)
+    embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
+    data = [{"input_ids": torch.from_numpy(row)} for row in tokens]
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100) as pipe:
+        loader = pipe.loader(data, batch_size=8, num_workers=num_workers)
+        first = True
+        for batch in loader:
+            if first:  # let the child fill the window: rows read do not depend on timing
+                deadline = time.monotonic() + 10
+                while not pipe._owner.stream.caught_up and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                first = False
+            batch["inputs_embeds"]
+            time.sleep(0.01)  # a model's step: time for the reader, which keeps the misses
+        stats = pipe.stats()
+        read = stats["rows_read"]
+        assert pipe._owner.stream is None  # the epoch's stream ended with it
+        assert (stats["deferred"] > 0) == (num_workers > 0)
+    optimum = simulate.rows_read(sets, 2000, 100, "belady")
+    # with workers, the batches dispatched before the epoch's order was read are looked up blind
+    assert read <= (1.05 if num_workers else 1.01) * optimum, (read, optimum)
+    assert read < simulate.rows_read(sets, 2000, 100, "lfu")
+
+
+def test_rows_of_a_training_batch_stay_cached_until_its_step():
+    shared = SharedRows(100, 4, 1, np.float32)
+    cache = RowCache(shared, make_policy("auto", 4, 100), lambda i, n: None, lambda i, r, n: None)
+    policy = cache.policy
+    policy.training = True
+    batch = ids(1, 2, 3)
+    cache.admit(batch, np.zeros((3, 1), np.float32))
+    policy.hold(batch)
+    for other in (ids(10, 11, 12), ids(20, 21, 22, 23)):  # later batches, no step yet
+        cache.admit(other, np.zeros((len(other), 1), np.float32))
+        assert (shared.slot_of[batch] >= 0).all()
+    policy.release()  # the step gathered them: they may go now
+    cache.admit(ids(30, 31, 32, 33), np.zeros((4, 1), np.float32))
+    assert (shared.slot_of[batch] < 0).any()
+
+
+def test_rows_of_dispatched_batches_stay_cached_until_they_are_claimed(tmp_path):
+    embedpipe.Table.create(tmp_path / "t.zarr", 100, 2).close()
+    samples = [{"input_ids": torch.tensor([i, i + 1])} for i in range(0, 60, 2)]
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=4) as pipe:
+        owner = pipe._owner
+        order = Ahead(iter([[n] for n in range(len(samples))]))
+        stream = owner.start_stream(samples, "input_ids", order, source=None, defer=None)
+        try:
+            deadline = time.monotonic() + 10
+            while owner.cache.policy.foreseen < 10 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            dispatched = [next(order), next(order)]  # batches 0 and 1 go to workers
+            rows = ids(0, 1, 2, 3)
+            with owner.lock:
+                owner.cache.admit(rows, np.zeros((4, 2), np.float32))
+                owner.cache.admit(ids(40, 41, 42, 43), np.zeros((4, 2), np.float32))
+            assert dispatched == [[0], [1]] and (owner.shared.slot_of[rows] >= 0).all()
+            stream.claim(ids(0, 1))
+            stream.claim(ids(2, 3))  # both looked up: their rows are no longer needed soon
+            with owner.lock:
+                owner.cache.admit(ids(40, 41, 42, 43), np.zeros((4, 2), np.float32))
+            assert (owner.shared.slot_of[rows] < 0).all()
+        finally:
+            owner.end_stream(stream)
+
+
+@pytest.mark.parametrize(
+    ("policy", "num_workers"),
+    [("lru", 2), ("lfu", 2), ("lookahead", 0), ("lookahead", 2), ("auto", 2)],
+)
+def test_training_through_every_policy_is_bit_exact(tmp_path, policy, num_workers):
+    data = zipf_dataset(16 * 8)
+    reference, _, _ = train_reference(data, "adagrad", lr=0.5)
+    table, _, stats, _ = train_offloaded(
+        data,
+        "adagrad",
+        lr=0.5,
+        path=tmp_path / "t.zarr",
+        cache_rows=VOCAB // 20,
+        num_workers=num_workers,
+        policy=policy,
+    )
+    assert stats["evictions"] > 0
+    if policy in ("lookahead", "auto") and num_workers:  # misses read by the owner, ahead
+        assert stats["deferred"] > 0
+    assert torch.equal(table, reference)
+
+
+def test_an_evaluation_loader_inside_an_epoch_leaves_the_window_alone(tmp_path):
+    embedpipe.Table.create(tmp_path / "t.zarr", 50, 2).close()
+    samples = [{"input_ids": torch.tensor([i % 50, (i * 7) % 50])} for i in range(40)]
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=10) as pipe:
+        for n, batch in enumerate(pipe.loader(samples, batch_size=4)):
+            assert pipe._owner.stream is not None
+            owner_stream = pipe._owner.stream
+            if n == 2:
+                for inner in pipe.loader(samples[:8], batch_size=4):
+                    assert torch.equal(inner["inputs_embeds"], inner["inputs_embeds"])
+                assert pipe._owner.stream is owner_stream
+            batch["inputs_embeds"]
+        assert pipe._owner.stream is None
+        for n, _ in enumerate(pipe.loader(samples, batch_size=4)):  # a new epoch after a break
+            if n == 1:
+                break
+        assert pipe._owner.stream is None
+
+
+def test_lookahead_must_be_a_count():
+    with pytest.raises(ValueError, match="lookahead must be an integer >= 0"):
+        embedpipe.EmbeddingPipe("nowhere", cache_rows=1, lookahead=-1)
+
+
+@pytest.mark.parametrize("policy", ["lfu", "auto"])
+def test_a_step_does_not_read_again_the_rows_its_batch_was_handed(tmp_path, policy):
+    """Rows a training batch used that the cache does not keep are staged for its step: with SGD
+    (no state to read), every row read from disk is a lookup's miss."""
+    data = zipf_dataset(12 * 8)
+    _, _, stats, _ = train_offloaded(
+        data, "sgd", lr=0.5, path=tmp_path / "t.zarr", cache_rows=VOCAB // 50, policy=policy
+    )
+    assert stats["staged"] > 0
+    assert stats["rows_read"] == stats["misses"] - stats["deferred"]
+
+
+class SlowInTheMainProcess(torch.utils.data.Dataset):
+    """Fast in the workers, slow where the foresight child reads it (outside the workers)."""
+
+    def __init__(self, tokens: np.ndarray) -> None:
+        self.tokens = torch.from_numpy(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        if torch.utils.data.get_worker_info() is None:
+            time.sleep(0.005)
+        return {"input_ids": self.tokens[i]}
+
+
+def test_a_reader_that_cannot_keep_up_hands_the_misses_back_to_the_workers(tmp_path):
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 2000, size=(60 * 8, 16))
+    weight = torch.randn(2000, 4)
+    embedpipe.Table.from_tensor(tmp_path / "t.zarr", weight).close()
+    handed_back = []
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100, policy="lookahead") as pipe:
+        loader = pipe.loader(SlowInTheMainProcess(tokens), batch_size=8, num_workers=2)
+        for batch in loader:
+            assert torch.equal(batch["inputs_embeds"], weight[batch["input_ids"]])
+            stream = pipe._owner.stream
+            handed_back.append(stream is not None and stream.handed_back)
+        stats = pipe.stats()
+    assert any(handed_back) and stats["deferred"] < stats["misses"]
+
+
+def test_training_stays_exact_when_the_misses_go_back_to_the_workers(tmp_path, monkeypatch):
+    """Misses read by the owner, then handed back mid-epoch (forced at batch 20: when the reader
+    falls behind depends on the machine's load): every row the model and the steps see is still
+    the newest, as nn.Embedding + Adagrad trains it."""
+    from embedpipe.owner.lookahead import Stream
+
+    keep_up = Stream._keep_up
+
+    def hand_back_at_20(self, ready, began, waited):
+        if self.claimed >= 20 and not self.handed_back:
+            self.defer["misses"][0] = 0
+            self.handed_back = True
+        return keep_up(self, ready, began, waited)
+
+    monkeypatch.setattr(Stream, "_keep_up", hand_back_at_20)
+    data = zipf_dataset(40 * 8)
+    reference, _, _ = train_reference(data, "adagrad", lr=0.5)
+    table, _, stats, _ = train_offloaded(
+        data,
+        "adagrad",
+        lr=0.5,
+        path=tmp_path / "t.zarr",
+        cache_rows=VOCAB // 20,
+        num_workers=2,
+        policy="lookahead",
+    )
+    assert 0 < stats["deferred"] < stats["misses"]  # some misses left to the owner, not all
+    assert stats["staged"] > 0
+    assert torch.equal(table, reference)
+
+
+class RandomIds(torch.utils.data.Dataset):
+    """Every read gives other ids: foresight is wrong for every batch."""
+
+    def __len__(self) -> int:
+        return 100_000
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": torch.randint(0, 2000, (16,))}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_wrong_foresight_pins_no_row_and_grows_no_list(tmp_path, num_workers):
+    """policy="lookahead" keeps looking ahead however wrong it is: what it holds stays bounded
+    by the batches in flight (before, the batches in flight grew all epoch, each pinning its
+    rows, and every hand-off scanned them)."""
+    embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100, policy="lookahead") as pipe:
+        loader = pipe.loader(RandomIds(), batch_size=8, num_workers=num_workers)
+        in_flight, held = [], []
+        for n, batch in enumerate(loader):
+            batch["inputs_embeds"]
+            stream = pipe._owner.stream
+            in_flight.append(len(stream.in_flight_ids))
+            held.append(int(pipe._owner.cache.policy.held.max()))
+            if n == 400:
+                break
+    assert max(in_flight) <= 6, max(in_flight)  # prefetch_factor x workers, plus one
+    assert max(held[100:]) <= max(held[:100]) <= 6
+
+
+def test_auto_stops_looking_ahead_when_foresight_keeps_missing(tmp_path):
+    embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100) as pipe:
+        with pytest.warns(RuntimeWarning, match="stopped looking ahead"):
+            for n, batch in enumerate(pipe.loader(RandomIds(), batch_size=8, num_workers=2)):
+                batch["inputs_embeds"]
+                if n == 40:
+                    break
+        assert pipe._owner.blind and pipe._owner.stream is None
+        for n, _ in enumerate(pipe.loader(RandomIds(), batch_size=8)):  # no stream, no warning
+            assert pipe._owner.stream is None
+            if n == 3:
+                break
+
+
+def test_the_foresight_child_ends_with_its_epoch(tmp_path):
+    import os
+
+    embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
+    samples = [{"input_ids": torch.tensor([i, i + 1])} for i in range(64)]
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=10) as pipe:
+        for n, _ in enumerate(pipe.loader(samples, batch_size=4)):
+            if n == 0:
+                child = pipe._owner.stream.ids.pid
+                assert os.waitpid(child, os.WNOHANG) == (0, 0)  # alive, reading ahead
+            if n == 5:
+                break  # an epoch left early
+        with pytest.raises(ChildProcessError):  # reaped
+            os.waitpid(child, os.WNOHANG)
+
+
+class SeekAndRead(torch.utils.data.Dataset):
+    """Reads each sample's ids through one file handle opened in the training process, with
+    seek then read (not thread-safe, and with num_workers=0 nothing else reads it)."""
+
+    def __init__(self, path, n: int) -> None:
+        self.file = open(path, "rb", buffering=0)  # noqa: SIM115 (held for the dataset's life)
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        self.file.seek(i * 16 * 8)
+        time.sleep(0.0005)  # (the child seeks and reads meanwhile)
+        data = self.file.read(16 * 8)
+        return {"input_ids": torch.from_numpy(np.frombuffer(data, dtype=np.int64).copy())}
+
+
+def test_the_foresight_child_shares_no_file_offset_with_the_dataset(tmp_path):
+    """The child reads its own copy of the dataset: a file the dataset opened before the fork is
+    reopened there with its own offset, so the samples the loop gets are the file's."""
+    tokens = np.random.default_rng(4).integers(0, 2000, size=(200, 16)).astype(np.int64)
+    tokens.tofile(tmp_path / "tokens.bin")
+    embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
+    dataset = SeekAndRead(tmp_path / "tokens.bin", len(tokens))
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100) as pipe:
+        for n, batch in enumerate(pipe.loader(dataset, batch_size=4)):
+            assert torch.equal(batch["input_ids"], torch.from_numpy(tokens[n * 4 : n * 4 + 4]))
+            time.sleep(0.01)  # a model's step: the child reads ahead meanwhile
+        assert not pipe._owner.blind  # the child read the file right too
+    dataset.file.close()
+
+
+class RandomIndices(torch.utils.data.Sampler):
+    """Draws each index from ``random`` as the DataLoader asks for it (CPython reseeds
+    ``random`` in a forked child: the child must get the parent's state back)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        import random
+
+        for _ in range(self.n):
+            yield random.randrange(self.n)
+
+
+def test_foresight_draws_a_lazy_sampler_from_the_parents_random_state(tmp_path):
+    embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
+    tokens = np.random.default_rng(5).integers(0, 2000, size=(400, 16))
+    data = [{"input_ids": torch.from_numpy(t)} for t in tokens]
+    matched: list[bool] = []
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100) as pipe:
+        for batch in pipe.loader(data, batch_size=8, sampler=RandomIndices(400)):
+            batch["inputs_embeds"]
+            time.sleep(0.005)  # a model's step: the child reads ahead meanwhile
+            stream = pipe._owner.stream
+            matched = list(stream.matched) if stream is not None else matched
+        assert not pipe._owner.blind and sum(matched) == len(matched) > 0

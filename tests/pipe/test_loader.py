@@ -1,0 +1,188 @@
+"""The DataLoader stage under the DataLoader's own options: every one keeps exact training exact."""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import pytest
+import torch
+
+import embedpipe
+from embedpipe.ids import unique_inverse
+from embedpipe.pipe import EmbeddingPipe
+from embedpipe.worker.looked_up import LookedUp
+
+from ..helpers import train_offloaded, train_reference, zipf_dataset
+
+DATA = zipf_dataset(96, seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_reference(DATA, "adagrad", lr=0.5)[0]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.filterwarnings(
+    "ignore:.*pin_memory"
+)  # no accelerator here: the DataLoader skips pinning
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param(
+            dict(num_workers=2, multiprocessing_context="spawn"), id="spawn", marks=pytest.mark.slow
+        ),
+        pytest.param(
+            dict(num_workers=2, persistent_workers=True, prefetch_factor=1), id="persistent"
+        ),
+        pytest.param(dict(num_workers=2, pin_memory=True), id="pin_memory"),
+        pytest.param(dict(num_workers=3, prefetch_factor=6, cache_rows=0), id="deep-prefetch-lazy"),
+        pytest.param(dict(num_workers=2, ring_rows=8), id="ring-overflow"),
+        pytest.param(dict(num_workers=1, policy="lru"), id="lru"),
+        pytest.param(
+            dict(num_workers=8, prefetch_factor=1), id="8-workers", marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_dataloader_options_keep_training_exact(tmp_path, reference, options):
+    options = {"cache_rows": 50, **options}
+    overflow = "ring_rows" in options  # correct, and says how to make room
+    with (
+        pytest.warns(RuntimeWarning, match="did not fit the workers' ring")
+        if overflow
+        else (contextlib.nullcontext())
+    ):
+        table, *_ = train_offloaded(DATA, "adagrad", lr=0.5, path=tmp_path / "t.zarr", **options)
+    assert torch.equal(table, reference)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """An iterable dataset: each worker streams its share of the samples."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        yield from self.samples[worker::workers]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_iterable_datasets(tmp_path, num_workers):
+    model_weight = torch.randn(1000, 8)
+    embedpipe.Table.from_tensor(tmp_path / "t.zarr", model_weight).close()
+    seen = 0
+    with EmbeddingPipe(tmp_path / "t.zarr", cache_rows=30) as pipe:
+        for batch in pipe.loader(Stream(DATA), batch_size=4, num_workers=num_workers):
+            assert torch.equal(batch["inputs_embeds"], model_weight[batch["input_ids"]])
+            seen += len(batch["input_ids"])
+    assert seen == len(DATA)
+
+
+def test_iterable_dataset_out_of_range_id_names_the_stream_position(tmp_path):
+    embedpipe.Table.create(tmp_path / "t.zarr", 10, 4).close()
+    data = [{"input_ids": torch.tensor([1, 2])}] * 3 + [{"input_ids": torch.tensor([1, 99])}]
+    with EmbeddingPipe(tmp_path / "t.zarr", cache_rows=3) as pipe:
+        with pytest.raises(ValueError, match="sample 3's stream, 'input_ids': id 99 at position 1"):
+            list(pipe.loader(Stream(data), batch_size=2))
+
+
+def test_bf16_autocast_trains_like_the_reference_under_autocast(tmp_path):
+    # The rows and their update stay float32; autocast only changes the model's matmuls.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = train_reference(DATA[:48], "sgd", lr=0.5)[0]
+        table, *_ = train_offloaded(
+            DATA[:48], "sgd", lr=0.5, path=tmp_path / "t.zarr", num_workers=2
+        )
+    assert table.dtype == torch.float32
+    assert torch.equal(table, reference)
+
+
+def test_batch_mapping_and_device_move(tmp_path):
+    weight = torch.randn(1000, 8)
+    embedpipe.Table.from_tensor(tmp_path / "t.zarr", weight).close()
+    with EmbeddingPipe(
+        tmp_path / "t.zarr", cache_rows=30, optimizer=embedpipe.optim.SGD(lr=1)
+    ) as pipe:
+        batch = next(iter(pipe.loader(DATA, batch_size=4)))
+        # iteration yields the collated fields; inputs_embeds is read by key (batch.py's NOTE)
+        assert list(batch) == ["input_ids", "attention_mask", "labels"]
+        assert len(batch) == 3 and "inputs_embeds" in batch and "rows" not in batch
+        moved = batch.to("cpu")
+        embeds = moved["inputs_embeds"]  # (B, L, D) made from the (U, D) rows
+        assert embeds.shape == (4, 16, 8) and embeds.requires_grad
+        assert torch.equal(embeds.detach(), weight[batch["input_ids"]])
+        assert len(batch.unique_ids) == len(np.unique(batch["input_ids"].numpy()))
+        again = moved["inputs_embeds"]  # a new graph each read, from the same leaf of rows
+        assert again is not embeds and torch.equal(again, embeds)
+        assert again.grad_fn.next_functions[0][0].variable is moved.rows
+        with torch.no_grad():
+            assert not batch.to("cpu")["inputs_embeds"].requires_grad
+
+
+@pytest.mark.parametrize("num_rows", [50, 100_000])  # marked in a table-sized array; sorted
+@pytest.mark.parametrize("shape", [(4, 16), (64,), (0,)])
+def test_unique_ids_and_inverse_are_numpys(num_rows, shape):
+    ids = np.random.default_rng(0).integers(0, num_rows, shape)
+    unique_ids, inverse = unique_inverse(ids, num_rows)
+    expected, expected_inverse = np.unique(ids, return_inverse=True)
+    assert np.array_equal(unique_ids, expected) and unique_ids.dtype == np.int64
+    assert np.array_equal(inverse, expected_inverse.reshape(shape)) and inverse.shape == shape
+    assert np.array_equal(unique_ids[inverse], ids)
+
+
+def test_fields_travel_from_a_worker_as_bytes_and_arrive_as_tensors():
+    ids = torch.arange(32 * 128).reshape(32, 128)
+    fields = {
+        "input_ids": ids,
+        "mask": torch.ones(32, 128, dtype=torch.bool),
+        "scores": torch.randn(8, 3).to(torch.bfloat16),
+        "columns": ids[:, :4].t(),  # a view, not contiguous
+        "grad": torch.zeros(2, requires_grad=True),  # keeps torch's own way
+        "nested": [{"labels": torch.tensor([1, -100])}, "text"],
+    }
+    item = LookedUp(fields, np.arange(3), np.zeros((32, 128), np.int64), 0, 2, None, 1, 2, 1)
+    sent = ForkingPickler.dumps(item)  # as the DataLoader's queue pickles a worker's batch
+    assert len(sent) > ids.nbytes  # the ids' bytes are in the pickle, not in shared memory
+    received = pickle.loads(sent)
+    assert received.unique_ids.tolist() == [0, 1, 2] and received.slot == 0 and received.misses == 1
+    for key in ("input_ids", "mask", "scores", "columns", "grad"):
+        assert torch.equal(received.fields[key], fields[key]), key
+        assert received.fields[key].dtype == fields[key].dtype, key
+    assert received.fields["grad"].requires_grad
+    assert torch.equal(received.fields["nested"][0]["labels"], torch.tensor([1, -100]))
+    assert received.fields["nested"][1] == "text"
+
+
+class Batched(torch.utils.data.Dataset):
+    """A dataset with its own ``__getitems__``, which the DataLoader calls for a batch."""
+
+    def __init__(self, samples):
+        self.samples = samples
+        self.batches = 0
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        raise AssertionError("the DataLoader fetches whole batches through __getitems__")
+
+    def __getitems__(self, indices):
+        self.batches += 1
+        return [self.samples[i] for i in indices]
+
+
+def test_a_datasets_getitems_is_used_and_a_bad_sample_is_named(tmp_path):
+    embedpipe.Table.create(tmp_path / "t.zarr", 10, 4).close()
+    good = [{"input_ids": torch.tensor([1, 2], dtype=torch.int32)} for _ in range(5)]
+    bad = [*good[:3], {"input_ids": torch.tensor([1, 99])}, *good[3:]]
+    # lookahead=0: the lookahead reader fetches samples through __getitems__ too
+    with EmbeddingPipe(tmp_path / "t.zarr", cache_rows=3, lookahead=0) as pipe:
+        data = Batched(good)
+        assert len(list(pipe.loader(data, batch_size=2))) == 3 and data.batches == 3
+        with pytest.raises(ValueError, match="sample 3, 'input_ids': id 99 at position 1"):
+            list(pipe.loader(Batched(bad), batch_size=2))

@@ -1,0 +1,87 @@
+"""Memory: a table many times larger than the cache trains without any process growing with it.
+
+1 GiB on disk, a 5 MB cache, Zipf-distributed ids, SGD training with two workers. Over the run the
+workers read tens of thousands of rows from disk; if the pages they read stayed in the process, or
+anything kept per batch, the main process or a worker would grow by far more than the budget:
+cache + ring + 12 bytes per table row (+ 8 MiB for the allocator).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+import embedpipe
+from embedpipe.pipe import EmbeddingPipe
+
+ROWS, DIM = 1 << 20, 256  # 1 GiB of float32
+CACHE_ROWS = 5 * 2**20 // (DIM * 4)  # 5 MiB
+BATCHES, WARMUP = 200, 20
+SLACK = (
+    8 * 2**20
+)  # allocator arenas, the DataLoader's queues (measured growth: 10-16 MiB owner, 4-6 MiB workers)
+
+
+class ZipfTokens(torch.utils.data.Dataset):
+    """Sentences of Zipf-distributed ids spread over the whole table."""
+
+    def __init__(self, n: int) -> None:
+        rng = np.random.default_rng(0)
+        self.permutation = rng.permutation(ROWS)
+        self.ids = (rng.zipf(1.1, (n, 128)) - 1) % ROWS  # a heavy tail: many distinct rows
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": torch.from_numpy(self.permutation[self.ids[i]])}
+
+
+def memory(loader) -> tuple[int, list[int]]:
+    """RSS of this process, and for each worker the larger of its RSS and its unique memory (USS).
+
+    The workers' RSS counts the pages of the table files they have mapped, which two workers
+    share (so USS alone would not see them) and which the kernel maps a large folio at a time.
+    """
+    pids = [w.pid for w in loader._iterator._workers]  # persistent workers
+    workers = [psutil.Process(pid).memory_full_info() for pid in pids]
+    return psutil.Process().memory_info().rss, [max(w.rss, w.uss) for w in workers]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_neither_owner_nor_workers_grow_with_the_table(tmp_path):
+    # Large chunks: every chunk file stays open in the readers (fewer than MAX_OPEN_CHUNKS); what
+    # they read must not pile up in their memory.
+    embedpipe.Table.create(tmp_path / "big.zarr", ROWS, DIM, chunk_rows=4096).close()
+    pipe = EmbeddingPipe(
+        tmp_path / "big.zarr", cache_rows=CACHE_ROWS, optimizer=embedpipe.optim.SGD(lr=0.1)
+    )
+    loader = pipe.loader(
+        ZipfTokens(BATCHES * 8), batch_size=8, num_workers=2, persistent_workers=True
+    )
+    with pipe:
+        for k, batch in enumerate(loader):
+            batch["inputs_embeds"].mean().backward()
+            pipe.step()
+            if k == 0:  # the workers are up and have read their first batches
+                _, workers_start = memory(loader)
+            if k == WARMUP:  # the owner's allocator and lazy imports have settled
+                owner_start, _ = memory(loader)
+                read_start = pipe.stats()["rows_read"]
+        owner_end, workers_end = memory(loader)
+        stats = pipe.stats()
+    ring = loader.ring.nbytes
+    budget = (
+        CACHE_ROWS * DIM * 4 + ring + 12 * ROWS + SLACK
+    )  # 12 B/row: slot_of, last_updated, LFU uses
+    rows_read = stats["rows_read"] - read_start
+    # Each random row read maps a 4 KiB page: kept, the pages alone would blow the budget.
+    assert rows_read * 4096 > 2 * budget, rows_read
+    assert stats["evictions"] > 0 and stats["rows_written"] > 0
+    assert owner_end - owner_start < budget, (owner_end - owner_start) / 2**20
+    assert len(workers_start) == len(workers_end) == 2
+    for start, end in zip(workers_start, workers_end):
+        assert end - start < budget, (end - start) / 2**20

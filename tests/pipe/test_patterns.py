@@ -1,0 +1,480 @@
+"""Patterns users write around the loop, each exact against nn.Embedding or loud.
+
+A toy model (mean of tanh(embeddings), then a linear layer) keeps these fast; the framework
+tests train a real BERT.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import embedpipe
+
+V, D = 60, 8
+ADAGRAD = dict(lr=0.05, initial_accumulator_value=0.1)
+
+
+class Toy(nn.Module):
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(V, D)
+        self.lin = nn.Linear(D, 2)
+
+    def get_input_embeddings(self):
+        return self.emb
+
+    def set_input_embeddings(self, module):
+        self.emb = module
+
+    def forward(self, input_ids=None, inputs_embeds=None):
+        x = self.emb(input_ids) if inputs_embeds is None else inputs_embeds
+        return self.lin(torch.tanh(x).mean(1))
+
+
+def samples(n: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    ids = np.minimum(rng.zipf(1.3, (n, 6)), V - 1).astype(np.int64)
+    return [
+        {"input_ids": torch.from_numpy(i), "labels": torch.tensor(k % 2)} for k, i in enumerate(ids)
+    ]
+
+
+def loss(model, batch, offloaded: bool) -> torch.Tensor:
+    x = (
+        {"inputs_embeds": batch["inputs_embeds"]}
+        if offloaded
+        else {"input_ids": batch["input_ids"]}
+    )
+    return nn.functional.cross_entropy(model(**x), batch["labels"])
+
+
+def reference_optimizer(model):
+    dense = torch.optim.AdamW(model.lin.parameters(), lr=1e-2)
+    adagrad = torch.optim.Adagrad([model.emb.weight], **ADAGRAD)
+    return dense, adagrad
+
+
+def offloaded(tmp_path, model, name="t.zarr"):
+    table = embedpipe.hf.offload(model, tmp_path / name, chunk_rows=16)
+    return embedpipe.EmbeddingPipe(
+        table, cache_rows=20, optimizer=embedpipe.optim.Adagrad(**ADAGRAD)
+    )
+
+
+def table(pipe) -> torch.Tensor:
+    return pipe.table.to_tensor()
+
+
+def test_frozen_word_embeddings_stay_frozen(tmp_path):
+    model = Toy()
+    before = model.emb.weight.detach().clone()
+    with offloaded(tmp_path, model) as pipe:
+        model.get_input_embeddings().requires_grad_(False)  # as one freezes an nn.Embedding
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for batch in pipe.loader(samples(8), batch_size=4):
+            loss(model, batch, True).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert torch.equal(table(pipe), before)
+
+
+def test_a_batch_held_across_load_checkpoint_gets_the_loaded_rows(tmp_path):
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        held = next(iter(pipe.loader(samples(4), batch_size=4)))
+        for k, batch in enumerate(pipe.loader(samples(24), batch_size=4)):
+            loss(model, batch, True).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if k == 1:
+                pipe.save_checkpoint(tmp_path / "snap")
+        with torch.no_grad():
+            held["inputs_embeds"]  # made final at step 6
+        pipe.load_checkpoint(tmp_path / "snap")  # back to step 2: step numbers go back too
+        with torch.no_grad():
+            assert torch.equal(held["inputs_embeds"], table(pipe)[held["input_ids"]])
+
+
+@pytest.mark.parametrize("rule", ["plateau", "by hand"])
+def test_a_learning_rate_changed_without_a_scheduler_base_reaches_the_table(tmp_path, rule):
+    def run(model, optimizer, batches, offloaded):
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+        for batch in batches:
+            loss(model, batch, offloaded).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if rule == "plateau":
+                plateau.step(1.0)  # never improves: halves the rate every step
+            else:
+                for group in optimizer.param_groups:
+                    group["lr"] *= 0.5
+
+    reference = Toy()
+    dense, adagrad = reference_optimizer(reference)
+    data = samples(16)
+
+    class Shared(torch.optim.Optimizer):
+        """AdamW on the dense part and Adagrad on the table, scaled by one group's lr factor:
+        what the table's rate in a group shared with dense weights is."""
+
+        def __init__(self):
+            params = [*reference.lin.parameters(), reference.emb.weight]
+            super().__init__([{"params": params}], {"lr": 1e-2})
+
+        def step(self, closure=None):
+            factor = self.param_groups[0]["lr"] / 1e-2
+            dense.param_groups[0]["lr"] = 1e-2 * factor
+            adagrad.param_groups[0]["lr"] = ADAGRAD["lr"] * factor
+            dense.step()
+            adagrad.step()
+
+    run(reference, Shared(), torch.utils.data.DataLoader(data, batch_size=4), False)
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # one shared group
+        run(model, optimizer, pipe.loader(data, batch_size=4), True)
+        assert torch.allclose(table(pipe), reference.emb.weight.detach(), rtol=0, atol=1e-7)
+
+
+def test_an_optimizer_without_the_table_never_takes_its_gradient_and_says_so_once(tmp_path):
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        dense = torch.optim.AdamW(model.lin.parameters(), lr=1e-2)  # not pipe.parameter
+        batches = iter(pipe.loader(samples(12), batch_size=4))
+        loss(model, next(batches), True).backward()
+        dense.step()
+        assert pipe._owner.writeback.submitted == 0 and pipe.parameter.grad is not None
+        with pytest.warns(RuntimeWarning, match="none that holds it did"):
+            loss(model, next(batches), True).backward()
+        pipe.step()  # the remedy: the table steps at the row optimizer's rate
+        assert pipe._owner.writeback.submitted == 1
+        loss(model, next(batches), True).backward()
+        dense.step()  # once is enough: no second warning at the next backward
+        pipe.step()
+
+
+def test_an_optimizer_built_before_offload_raises_at_its_step(tmp_path):
+    model = Toy()
+    stale = torch.optim.AdamW(model.parameters(), lr=1e-2)  # holds the V x D weight
+    with offloaded(tmp_path, model) as pipe:
+        loss(model, next(iter(pipe.loader(samples(4), batch_size=4))), True).backward()
+        with pytest.raises(RuntimeError, match="built before offload"):
+            stale.step()
+
+
+def two_tables(tmp_path, order: str, step_b: bool):
+    """Two tables, each in its own torch Adagrad, one loss: a pipe each, against two
+    nn.Embedding. ``order``: which optimizer steps first; ``step_b``: B's optimizer steps (else
+    B is a frozen stage whose optimizer never steps)."""
+    data = samples(16)
+    torch.manual_seed(3)
+    ref_a, ref_b = nn.Embedding(V, D), nn.Embedding(V, D)
+    weights = ref_a.weight.detach().clone(), ref_b.weight.detach().clone()
+    opt_a = torch.optim.Adagrad(ref_a.parameters(), **ADAGRAD)
+    opt_b = torch.optim.Adagrad(ref_b.parameters(), **ADAGRAD)
+
+    def steps(a, b):
+        first, second = (a, b) if order == "a first" else (b, a)
+        for opt in (first, second):
+            if opt is a or step_b:
+                opt.step()
+            opt.zero_grad()
+
+    for batch in torch.utils.data.DataLoader(data, batch_size=4):
+        (ref_a(batch["input_ids"]).sum() + (ref_b(batch["input_ids"]) ** 2).sum()).backward()
+        steps(opt_a, opt_b)
+    pipes = [
+        embedpipe.EmbeddingPipe(
+            embedpipe.Table.from_tensor(tmp_path / f"{n}.zarr", w, chunk_rows=16),
+            cache_rows=20,
+            optimizer=embedpipe.optim.Adagrad(**ADAGRAD),
+        )
+        for n, w in zip("ab", weights)
+    ]
+    with pipes[0] as a, pipes[1] as b:
+        pa = torch.optim.Adagrad([a.parameter], **ADAGRAD)
+        pb = torch.optim.Adagrad([b.parameter], **ADAGRAD)
+        for batch in a.loader(data, batch_size=4):
+            (batch["inputs_embeds"].sum() + (b_embeds(b, batch) ** 2).sum()).backward()
+            steps(pa, pb)
+        return (table(a), table(b)), (ref_a.weight.detach(), ref_b.weight.detach()), weights
+
+
+def b_embeds(pipe, batch) -> torch.Tensor:
+    """The second table's rows for the first loader's batch, through a one-batch loader."""
+    one = [{"input_ids": ids} for ids in batch["input_ids"]]
+    return next(iter(pipe.loader(one, batch_size=len(one))))["inputs_embeds"]
+
+
+@pytest.mark.parametrize("order", ["a first", "b first"])
+def test_two_tables_in_two_optimizers_each_step_with_their_own(tmp_path, order):
+    got, expected, _ = two_tables(tmp_path, order, step_b=True)
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+
+
+def test_a_table_whose_optimizer_never_steps_stays_as_it_was(tmp_path):
+    got, expected, before = two_tables(tmp_path, "a first", step_b=False)  # B: zero_grad only
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(got[1], before[1])
+
+
+def test_a_hand_written_warmup_in_a_shared_group_scales_the_table_as_built(tmp_path):
+    """AdamW(model.parameters(), lr=0.1) with the loop setting the rate (0.01 -> 0.1 over 10
+    steps) before each step: the table's rate is Adagrad's times lr / 0.1, as nn.Embedding in
+    a matching optimizer gets it."""
+    data = samples(40)
+
+    def warmup(optimizer, k):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 * min(1.0, (k + 1) / 10)
+
+    reference = Toy()
+    dense = torch.optim.AdamW(reference.lin.parameters(), lr=0.1)
+    adagrad = torch.optim.Adagrad([reference.emb.weight], **ADAGRAD)
+    for k, batch in enumerate(torch.utils.data.DataLoader(data, batch_size=4)):
+        warmup(dense, k)
+        adagrad.param_groups[0]["lr"] = ADAGRAD["lr"] * dense.param_groups[0]["lr"] / 0.1
+        loss(reference, batch, False).backward()
+        dense.step()
+        adagrad.step()
+        dense.zero_grad()
+        adagrad.zero_grad()
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)  # one group, shared
+        for k, batch in enumerate(pipe.loader(data, batch_size=4)):
+            warmup(optimizer, k)
+            loss(model, batch, True).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert torch.allclose(table(pipe), reference.emb.weight.detach(), rtol=0, atol=1e-7)
+        assert "initial_lr" not in optimizer.param_groups[0]  # embedpipe wrote nothing there
+
+
+def test_offloading_again_over_the_same_path_trains_the_new_model(tmp_path):
+    first = Toy()
+    embedpipe.hf.offload(first, tmp_path / "t.zarr", chunk_rows=16).close()
+    second = Toy()
+    table = embedpipe.hf.offload(second, tmp_path / "t.zarr", chunk_rows=16, overwrite=True)
+    optimizer = torch.optim.AdamW(second.parameters())  # built before the pipe
+    with (
+        table,
+        embedpipe.EmbeddingPipe(table, cache_rows=5, optimizer=embedpipe.optim.SGD(lr=1)) as pipe,
+    ):
+        assert any(p is pipe.parameter for p in second.parameters())
+        assert any(p is pipe.parameter for g in optimizer.param_groups for p in g["params"])
+
+
+def test_two_forward_passes_over_one_batch_add_up_as_with_nn_embedding(tmp_path):
+    reference = Toy()
+    dense, adagrad = reference_optimizer(reference)
+    data = samples(8)
+    for batch in torch.utils.data.DataLoader(data, batch_size=4):
+        (loss(reference, batch, False) + loss(reference, batch, False)).backward()
+        loss(reference, batch, False).backward()  # a second graph over the same batch
+        dense.step()
+        adagrad.step()
+        dense.zero_grad()
+        adagrad.zero_grad()
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        optimizer = torch.optim.AdamW(
+            [{"params": model.lin.parameters()}, {"params": [pipe.parameter], "lr": ADAGRAD["lr"]}],
+            lr=1e-2,
+        )
+        for batch in pipe.loader(data, batch_size=4):
+            (loss(model, batch, True) + loss(model, batch, True)).backward()
+            loss(model, batch, True).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert torch.equal(table(pipe), reference.emb.weight.detach())
+
+
+def test_the_compact_rows_train_a_custom_embedding_layer(tmp_path):
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        before = table(pipe)
+        batch = next(iter(pipe.loader(samples(4), batch_size=4)))
+        embeds = nn.functional.embedding(batch.inverse, batch.rows)  # the compact form
+        nn.functional.cross_entropy(model(inputs_embeds=embeds), batch["labels"]).backward()
+        assert pipe.step()
+        assert not torch.equal(table(pipe), before)
+
+
+def test_copying_a_batch_field_by_field_never_reads_the_rows_early(tmp_path):
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        batch = next(iter(pipe.loader(samples(4), batch_size=4)))
+        copied = {k: v for k, v in batch.items()}  # what a prefetcher does
+        assert set(copied) == {"input_ids", "labels"} and "inputs_embeds" in batch
+        assert batch._leaf is None  # nothing was read
+
+
+def test_rows_refreshed_under_inference_mode_can_be_trained_on(tmp_path):
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        batches = iter(pipe.loader(samples(8), batch_size=4))
+        first, ahead = next(batches), next(batches)
+        loss(model, first, True).backward()
+        optimizer.step()
+        with torch.inference_mode():
+            model(inputs_embeds=ahead["inputs_embeds"])  # refreshed in inference mode
+        loss(model, ahead, True).backward()
+        optimizer.step()
+
+
+def test_hf_trainer_refuses_neftune(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from ..frameworks import bert
+    from ..frameworks import offloaded as bert_offloaded
+
+    model = bert()
+    with bert_offloaded(model, tmp_path / "b.zarr") as pipe:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "o"), neftune_noise_alpha=5.0, report_to=[], use_cpu=True
+        )
+        with pytest.raises(ValueError, match="NEFTune"):
+            embedpipe.hf.Trainer(model=model, args=args, train_dataset=samples(4), pipe=pipe)
+
+
+def test_hf_trainer_trains_on_an_iterable_dataset(tmp_path):
+    pytest.importorskip("transformers")
+    from ..frameworks import samples as bert_samples
+    from ..frameworks import train_briefly
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(bert_samples(16))
+
+    assert train_briefly(tmp_path, Stream(), steps=3) == 3
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_ids_edited_in_place_train_as_nn_embedding_trains_the_edited_ids(tmp_path, num_workers):
+    """Masking in the loop: 15% of the ids become id 1 ([MASK]) after the batch is handed out;
+    the table trains as nn.Embedding fed the masked ids (the [MASK] row included)."""
+    data = samples(32)
+    masks = [torch.rand(4, 6, generator=torch.Generator().manual_seed(k)) < 0.15 for k in range(8)]
+
+    def run(model, optimizers, batches, offloaded_):
+        for k, batch in enumerate(batches):
+            if offloaded_ and k % 2:
+                batch = batch.to("cpu")  # an edit after a move is seen too
+            batch["input_ids"][masks[k]] = 1
+            loss(model, batch, offloaded_).backward()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+
+    reference = Toy()
+    run(
+        reference,
+        reference_optimizer(reference),
+        torch.utils.data.DataLoader(data, batch_size=4),
+        False,
+    )
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        dense = torch.optim.AdamW(model.lin.parameters(), lr=1e-2)
+        adagrad = torch.optim.Adagrad([pipe.parameter], **ADAGRAD)
+        run(model, [dense, adagrad], pipe.loader(data, batch_size=4, num_workers=num_workers), True)
+        assert pipe.stats()["relookups"] > 0
+        assert torch.equal(table(pipe), reference.emb.weight.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_a_model_cast_after_offload_gets_inputs_embeds_in_its_dtype(tmp_path, dtype):
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        model.to(dtype)
+        batch = next(iter(pipe.loader(samples(4), batch_size=4)))
+        assert batch["inputs_embeds"].dtype == dtype
+        loss(model, batch, True).float().backward()  # the gradient reaches the float32 table
+        assert pipe.parameter.grad.dtype == torch.float32 and pipe.parameter.grad.any()
+        pipe.step()
+
+
+def test_restore_after_the_pipe_closed_reads_the_committed_table(tmp_path):
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for batch in pipe.loader(samples(8), batch_size=4):
+            loss(model, batch, True).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    trained = embedpipe.Table.open(tmp_path / "t.zarr").to_tensor()
+    with embedpipe.hf.restored(model, pipe):  # what Trainer.save_model does after the with block
+        assert torch.equal(model.get_input_embeddings().weight, trained)
+
+
+def test_a_model_rebuilt_to_resume_takes_an_offloaded_embedding_by_hand(tmp_path):
+    """A plain loop resumed in a new process: the model is built again (with an nn.Embedding),
+    an OffloadedEmbedding takes the embedding's place on the existing table, and the pipe and
+    an optimizer built after it train on exactly as one uninterrupted run."""
+    data = samples(16)
+
+    def train(model, pipe, batches):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)  # holds pipe.parameter
+        for batch in batches:
+            loss(model, batch, True).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    straight = Toy()
+    with offloaded(tmp_path, straight, "straight.zarr") as pipe:
+        train(straight, pipe, pipe.loader(data, batch_size=4))
+    pipe.table.close()
+    first = Toy()
+    with offloaded(tmp_path, first, "resumed.zarr") as pipe:
+        train(first, pipe, pipe.loader(data[:8], batch_size=4))
+    pipe.table.close()
+    rebuilt = Toy()  # "a new process": a fresh model, its dense weights as saved
+    rebuilt.lin.load_state_dict(first.lin.state_dict())
+    rebuilt.set_input_embeddings(
+        embedpipe.hf.OffloadedEmbedding(V, D, str(tmp_path / "resumed.zarr"))
+    )
+    with embedpipe.EmbeddingPipe(
+        tmp_path / "resumed.zarr", cache_rows=20, optimizer=embedpipe.optim.Adagrad(**ADAGRAD)
+    ) as pipe:
+        assert any(p is pipe.parameter for p in rebuilt.parameters())
+        train(rebuilt, pipe, pipe.loader(data[8:], batch_size=4))
+    expected = embedpipe.Table.open(tmp_path / "straight.zarr").to_tensor()
+    assert torch.equal(embedpipe.Table.open(tmp_path / "resumed.zarr").to_tensor(), expected)
+    assert torch.equal(rebuilt.lin.weight, straight.lin.weight)
+
+
+def test_a_resumed_optimizer_scales_the_table_from_the_rate_it_was_built_with(tmp_path):
+    """ReduceLROnPlateau halving a shared group's rate, the optimizer saved and loaded in the
+    middle: the table's rate keeps following the first run's built rate (it travels in the
+    optimizer's state_dict), as one uninterrupted run."""
+
+    def run(name, split):
+        model = Toy()
+        with offloaded(tmp_path, model, name) as pipe:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+            for k, batch in enumerate(pipe.loader(samples(24), batch_size=4)):
+                if k == split:  # "a new process": a new optimizer, its state loaded
+                    state = optimizer.state_dict()
+                    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+                    optimizer.load_state_dict(state)
+                    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
+                        optimizer, factor=0.5, patience=0
+                    )
+                    plateau.step(1.0)
+                loss(model, batch, True).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                plateau.step(1.0)  # never improves: halves the rate every step
+            out = table(pipe)
+        pipe.table.close()
+        return out
+
+    assert torch.equal(run("straight.zarr", None), run("resumed.zarr", 3))
