@@ -141,9 +141,6 @@ class PipeLoader(DataLoader):
             else None
         )
         lookup = Lookup(collate_fn, ids_key, table, shared, ring, source, self._defer, owner.owned)
-        if num_workers > 0:  # NOTE [ Workers die with the training process ]: from their start
-            init = dataloader_kwargs.get("worker_init_fn")
-            dataloader_kwargs["worker_init_fn"] = WatchParent(init)
         super().__init__(
             checked,
             batch_size=batch_size,
@@ -174,6 +171,20 @@ class PipeLoader(DataLoader):
         finally:
             if isinstance(self.batch_sampler, Foresight):
                 self.batch_sampler.stop()  # an epoch left early: the window is free again
+
+    def _get_iterator(self) -> Any:
+        """Torch's iterator, whose workers start their watch of the training process first
+        (NOTE [ Workers die with the training process ]): ``worker_init_fn`` is wrapped only
+        while the workers are made, so that the loader's own stays what the program set (Lightning
+        seeds the workers only of a loader whose ``worker_init_fn`` is None)."""
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        init = self.worker_init_fn
+        self.worker_init_fn = WatchParent(init)
+        try:
+            return super()._get_iterator()
+        finally:
+            self.worker_init_fn = init
 
     def _batches(self) -> Iterator[EmbeddedBatch]:
         """The DataLoader's output, with a failed batch ending the epoch cleanly."""

@@ -16,9 +16,9 @@ that could hang, and the kernel frees the worker's shared memory and sockets wit
 not ``PR_SET_PDEATHSIG``: that signal follows the thread that forked the worker, and a framework
 may create a loader's iterator in a thread that ends before the training process does.
 
-The watch starts as the worker starts (the loader's ``worker_init_fn``, :class:`WatchParent`,
-before the user's own), and again at the first lookup for a loader a framework rebuilt without
-it. It watches the training process's pid as recorded there, not the worker's parent when the
+The watch starts as the worker starts (:class:`WatchParent` wraps the loader's
+``worker_init_fn`` while its iterator makes the workers, and runs before the user's own), and
+again at the first lookup for a loader a framework rebuilt without it. It watches the training process's pid as recorded there, not the worker's parent when the
 watch starts: torch's own watch records the parent only after ``worker_init_fn`` returns, so a
 trainer killed while its workers were still starting (a spawned worker imports torch for
 seconds) left workers whose watch took pid 1 for their parent and waited for work forever
@@ -71,13 +71,21 @@ class WatchParent:
 
 
 def _alive(pid: int) -> bool:
+    """``pid`` runs: not gone, and not a zombie (a trainer that died and is not reaped yet has
+    already handed its children to pid 1)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
         return False
-    except PermissionError:  # someone else's process now holds the pid
+    except OSError:  # no /proc here: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # someone else's process now holds the pid
+            return True
         return True
-    return True
 
 
 def _watch(parent: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 from multiprocessing.reduction import ForkingPickler
 
@@ -15,7 +16,7 @@ from embedpipe.ids import unique_inverse
 from embedpipe.pipe import EmbeddingPipe
 from embedpipe.worker.looked_up import LookedUp
 
-from ..helpers import train_offloaded, train_reference, zipf_dataset
+from ..helpers import small_table, train_offloaded, train_reference, zipf_dataset
 
 DATA = zipf_dataset(96, seed=1)
 
@@ -186,3 +187,32 @@ def test_a_datasets_getitems_is_used_and_a_bad_sample_is_named(tmp_path):
         assert len(list(pipe.loader(data, batch_size=2))) == 3 and data.batches == 3
         with pytest.raises(ValueError, match="sample 3, 'input_ids': id 99 at position 1"):
             list(pipe.loader(Batched(bad), batch_size=2))
+
+
+class _SaysItsInit(torch.utils.data.Dataset):
+    """Samples that carry what the worker's ``worker_init_fn`` left in the environment."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": torch.tensor([i, 7]), "init": int(os.environ.get("_INIT_SAW", -1))}
+
+
+def _init(worker_id: int) -> None:
+    os.environ["_INIT_SAW"] = str(worker_id)
+
+
+@pytest.mark.parametrize("user_init", [None, _init])
+def test_the_loaders_worker_init_fn_stays_the_programs(tmp_path, user_init):
+    """embedpipe's watch of the training process wraps ``worker_init_fn`` only while the workers
+    start: the loader's attribute stays what the program set (Lightning seeds the workers of a
+    loader whose ``worker_init_fn`` is None, and would not if it found embedpipe's there), and
+    the program's own still runs in each worker."""
+    path = small_table(tmp_path)
+    with EmbeddingPipe(path, cache_rows=10) as pipe:
+        loader = pipe.loader(_SaysItsInit(), batch_size=2, num_workers=2, worker_init_fn=user_init)
+        assert loader.worker_init_fn is user_init
+        seen = {int(v) for batch in loader for v in batch["init"]}
+        assert loader.worker_init_fn is user_init
+    assert seen == ({-1} if user_init is None else {0, 1})
