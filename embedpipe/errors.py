@@ -95,6 +95,10 @@ class WorkerDiedError(EmbedpipeError, RuntimeError):
     """A DataLoader worker process died (killed, crashed) while loading batches."""
 
 
+class OwnerDiedError(EmbedpipeError, RuntimeError):
+    """The owner process of a pipe's table died; the table reopens at its last checkpoint."""
+
+
 class DistributedNotSupportedError(EmbedpipeError, RuntimeError):
     """Something a pipe sharded over the ranks of a process group cannot do exactly."""
 

@@ -46,6 +46,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import ClassVar, TypeAlias
 
+import numpy as np
 import torch
 
 
@@ -175,3 +176,27 @@ def from_config(config: dict) -> RowOptimizer:
     if unknown:
         raise ValueError(f"unknown {name} option(s) {unknown}; expected some of {sorted(known)}")
     return cls(**options)
+
+
+def update_in_float32(
+    optimizer: RowOptimizer,
+    rows: np.ndarray,
+    state: dict[str, np.ndarray],
+    grad: torch.Tensor,
+    step: int,
+    lr: float | None,
+) -> None:
+    """Run ``optimizer`` on ``rows`` and ``state`` in place (``lr`` None: its own); float16 rows
+    are updated in float32 and rounded back, since an ``eps`` of 1e-8 and a squared gradient
+    both vanish in float16."""
+    rows_t = torch.from_numpy(rows)
+    state_t = {name: torch.from_numpy(values) for name, values in state.items()}
+    if rows_t.dtype in (torch.float32, torch.float64):
+        optimizer.update(rows_t, grad, state_t, step, lr=lr)
+        return
+    wide = {name: values.float() for name, values in state_t.items()}
+    wide_rows = rows_t.float()
+    optimizer.update(wide_rows, grad.float(), wide, step, lr=lr)
+    rows_t.copy_(wide_rows)
+    for name, values in state_t.items():
+        values.copy_(wide[name])

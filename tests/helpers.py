@@ -123,6 +123,7 @@ def train_offloaded(
         "padding_idx",
         "policy",
         "check_finite",
+        "owner",
     }
     pipe_options = {k: v for k, v in options.items() if k in pipe_keys}
     loader_options = {k: v for k, v in options.items() if k not in pipe_keys}

@@ -1,5 +1,6 @@
 """A training process that the kill test SIGKILLs with batches in its workers' queue: it prints
-its pid and its children's (the DataLoader workers, the foresight child), then trains slowly.
+its pid and its children's (the DataLoader workers, the foresight child, the owner process
+with ``ORPHAN_RUN_OWNER=process``), then trains slowly.
 
 Run as ``python -m tests.orphan_run TABLE``; ``python -m tests.orphan_run TABLE starting``
 starts 2 spawned workers whose ``worker_init_fn`` says it started (``TABLE.started-N``) and
@@ -69,7 +70,10 @@ def say_pids_once_started(workers: int) -> None:
 
 def main(path: str) -> None:
     with embedpipe.EmbeddingPipe(
-        path, cache_rows=50, optimizer=embedpipe.optim.SGD(lr=0.1)
+        path,
+        cache_rows=50,
+        optimizer=embedpipe.optim.SGD(lr=0.1),
+        owner=os.environ.get("ORPHAN_RUN_OWNER", "thread"),
     ) as pipe:
         loader = pipe.loader(Heavy(), batch_size=4, num_workers=2, collate_fn=collate)
         for n, batch in enumerate(loader):

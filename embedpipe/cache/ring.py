@@ -89,6 +89,19 @@ class BatchRing:
         self._tags[slot] = tag
         return slot, tag
 
+    def read_some(
+        self, slot: int, tag: int, count: int, positions: np.ndarray
+    ) -> np.ndarray | None:
+        """In an owner process: the ``count`` rows of ``slot`` with only those at ``positions``
+        copied (the others are left unset), or None if the slot was overwritten."""
+        if self._tags[slot] != tag:
+            return None
+        fence()
+        rows = np.empty((count, self._buffers.shape[2]), dtype=self._buffers.dtype)
+        rows[positions] = self._buffers[slot, positions]
+        fence()
+        return rows if self._tags[slot] == tag else None
+
     def read(self, slot: int, tag: int, count: int) -> np.ndarray | None:
         """In the owner: a copy of the ``count`` rows in ``slot``, or None if it was overwritten."""
         if self._tags[slot] != tag:

@@ -70,6 +70,17 @@ class SharedBlock:
             ).reshape(shape)
             offset += count * dtype.itemsize
 
+    @classmethod
+    def adopt(cls, layout: dict[str, tuple[tuple[int, ...], Any]], fd: int) -> SharedBlock:
+        """The block whose descriptor ``fd`` another process sent (this object closes it)."""
+        block = cls.__new__(cls)
+        block.layout = {
+            name: (tuple(shape), np.dtype(dtype)) for name, (shape, dtype) in layout.items()
+        }
+        block.fd = fd
+        block._map()
+        return block
+
     def __getitem__(self, name: str) -> np.ndarray:
         return self.arrays[name]
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import TableExistsError, TableWriteError, WritebackError
@@ -175,14 +174,6 @@ def close(owner: Owner, raise_errors: bool = True) -> None:
         owner.end_stream(owner.stream)
     error: BaseException | None = None
     if owner.writeback is not None:
-        if owner.gradient.pending:
-            warnings.warn(
-                f"the embedding gradient of {owner.gradient.backwards} backward pass(es) was "
-                "never taken by an optimizer step and is not applied (as torch drops a .grad "
-                "no step used); call optimizer.step() or pipe.step() before close()",
-                RuntimeWarning,
-                stacklevel=4,  # the caller of Owner.close, which calls this
-            )
         owner.gradient.close()
         try:
             owner.writeback.close()

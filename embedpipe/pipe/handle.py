@@ -2,27 +2,15 @@
 
 The pipe checks its options, claims the table (one owner per table: a second pipe on the same
 ``Table`` object, ``table.close()`` or ``table.write()`` under a live pipe raise, naming it), and
-hands everything else to its :class:`~embedpipe.owner.owner.Owner`, which runs in the training process.
-
-NOTE [ A pipe that is never closed ]
-The writeback thread holds the owner, and nothing in the owner points back at this handle, so a
-pipe the user drops (a re-run notebook cell, a function that returns without ``close()``) is
-collected like any object. When it is, a ``weakref.finalize`` closes the owner, as an unclosed
-file flushes: the applied steps and the cached rows are committed as a checkpoint and the table
-is released, with a ``ResourceWarning``. The same finalizer runs at interpreter exit for a pipe
-still alive then, from ``threading._register_atexit``: the hook ``concurrent.futures`` uses to
-shut its executors down, which runs before ``atexit`` hooks and after ours (last registered,
-first run), so a compressed table can still be written through zarr's executor. The commit of an
-uncompressed table uses plain file calls only.
+hands everything else to its owner: an :class:`~embedpipe.owner.owner.Owner` in the training
+process, or a :class:`~embedpipe.service.client.RemoteOwner` for an owner process. A pipe never
+closed is closed when it is collected (``unclosed.py``).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import threading
-import warnings
-import weakref
 from functools import partial
 from typing import Any
 
@@ -38,11 +26,15 @@ from ..owner.owner import Owner
 from ..ranks.shard_owner import ShardOwner, open_shard
 from ..ranks.shards import DEFAULT_TIMEOUT, Shards
 from ..ranks.shards import process_group as group_of
+from ..service.client import RemoteOwner
 from ..store.checkpoints import Checkpoint
 from ..store.table import Table
 from .placeholder import ignore_in_ddp, offloaded_embeddings
+from .unclosed import close_when_collected
 
 CONSISTENCY = ("exact", "bounded")
+#: Where the table's owner runs: a thread of the training process, or a process of its own.
+OWNERS = ("thread", "process")
 
 
 class EmbeddingPipe:
@@ -86,6 +78,12 @@ class EmbeddingPipe:
         ``cache_rows`` is per rank) and the ranks exchange rows and gradients (``shards.py``,
         ``docs/scale-out.md``). Every rank must make the pipe. ``timeout``: seconds a rank waits
         for the others before it raises :class:`~embedpipe.errors.PeerLostError`.
+    owner:
+        Where the table's owner (its cache, optimizer state, writeback and every read and write
+        of its files) runs: ``"thread"`` (default), threads of the training process;
+        ``"process"``, a process of its own that the pipe starts and stops at ``close()``, so
+        the training process keeps only the claim, ``inputs_embeds`` and the gradient
+        (``docs/service.md``: not yet with a process group, nor with lookahead).
     """
 
     def __init__(
@@ -104,14 +102,22 @@ class EmbeddingPipe:
         grad_accumulation: Any = None,
         process_group: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
+        owner: str = "thread",
     ) -> None:
         _check_options(cache_rows, consistency, max_staleness, grad_accumulation, keep, lookahead)
+        if owner not in OWNERS:
+            raise ValueError(f"owner must be one of {OWNERS}, got {owner!r}")
         shards = None
         if optimizer is not None:
             group = group_of(process_group)
             if group is None:
                 _check_one_process()
             else:
+                if owner == "process":
+                    raise DistributedNotSupportedError(
+                        "owner='process' does not serve the ranks of a process group yet: "
+                        "leave owner='thread' (each rank then owns a shard of the table)"
+                    )
                 shards = Shards(group, timeout)
                 lookahead = 0  # a rank's loader reads ahead only its own rows: not yet
         if shards is not None:
@@ -133,10 +139,11 @@ class EmbeddingPipe:
                 padding_idx = table.metadata.get("padding_idx")
             if padding_idx is not None and not 0 <= padding_idx < table.num_rows:
                 raise ValueError(f"padding_idx must be in [0, {table.num_rows}), got {padding_idx}")
+            remote = owner == "process"
             if optimizer is not None and shards is None:
-                table._claim(_describe_creator())
+                table._claim(_describe_creator(), elsewhere=remote)
             try:
-                if optimizer is not None and shards is None:
+                if optimizer is not None and shards is None and not remote:
                     table._prepare(optimizer, keep)
                 cache_rows = min(int(cache_rows), table.num_rows)
                 if shards is not None:
@@ -159,15 +166,29 @@ class EmbeddingPipe:
                     check_finite=check_finite,
                 )
                 placeholders = offloaded_embeddings(table.path) if optimizer is not None else []
-                owner = Owner if shards is None else partial(ShardOwner, shards)
-                self._owner = owner(
-                    table,
-                    make_policy(policy, cache_rows, table.num_rows, lookahead),
-                    optimizer,
-                    options,
-                    owns_table=owns_table,
-                    parameter=next((p.rows for p in placeholders if p.rows is not None), None),
-                )
+                parameter = next((p.rows for p in placeholders if p.rows is not None), None)
+                if remote:  # NOTE [ The owner's process ]
+                    self._owner = RemoteOwner(
+                        table,
+                        policy=policy,
+                        cache_rows=cache_rows,
+                        optimizer=optimizer,
+                        options=options,
+                        keep=keep,
+                        description=table._owner or _describe_creator(),
+                        parameter=parameter,
+                        owns_table=owns_table,
+                    )
+                else:
+                    make = Owner if shards is None else partial(ShardOwner, shards)
+                    self._owner = make(
+                        table,
+                        make_policy(policy, cache_rows, table.num_rows, lookahead),
+                        optimizer,
+                        options,
+                        owns_table=owns_table,
+                        parameter=parameter,
+                    )
             except BaseException:
                 table._release_claim()
                 raise
@@ -185,10 +206,7 @@ class EmbeddingPipe:
             table._reads_after(self._owner.before_read)
             for placeholder in placeholders:
                 placeholder.attach(self.parameter)
-        self._finalizer = weakref.finalize(self, _close_unclosed, self._owner, repr(self))
-        self._finalizer.atexit = False  # _close_all_at_exit does it, earlier
-        _unclosed.difference_update([f for f in _unclosed if not f.alive])
-        _unclosed.add(self._finalizer)
+        self._finalizer = close_when_collected(self, self._owner)
 
     # ------------------------------------------------------------------------- public
     def loader(
@@ -359,46 +377,6 @@ def _embeds_dtype(path: str, table_dtype: np.dtype) -> torch.dtype | None:
         return None
     dtype = dtypes.pop()
     return None if dtype == getattr(torch, table_dtype.name) else dtype
-
-
-#: Finalizers of the pipes made (a dead one, of a pipe closed or collected, does nothing).
-#: A forked child (a DataLoader worker) starts with none: its copy of a pipe is not the owner.
-_unclosed: set[weakref.finalize] = set()
-os.register_at_fork(after_in_child=_unclosed.clear)
-
-
-def _close_all_at_exit() -> None:
-    for finalizer in list(_unclosed):
-        finalizer()
-
-
-try:
-    threading._register_atexit(_close_all_at_exit)  # before concurrent.futures shuts down
-except (AttributeError, RuntimeError):  # not CPython's threading, or already shutting down
-    import atexit
-
-    atexit.register(_close_all_at_exit)
-
-
-def _close_unclosed(owner: Owner, description: str) -> None:
-    """The finalizer of a pipe dropped (or alive at exit) without close(); see the NOTE."""
-    if owner.closed or owner.pid != os.getpid():  # a forked child's copy owns nothing
-        return
-    if owner.writeback is not None and threading.current_thread() is owner.writeback._thread:
-        # collected by a garbage collection that ran on the writeback thread: it cannot join
-        # itself, so close from a thread of its own
-        threading.Thread(target=_close_unclosed, args=(owner, description)).start()
-        return
-    warnings.warn(
-        f"{description} was not closed; closing it now (applied steps are committed). "
-        "Use `with EmbeddingPipe(...)` or call close()",
-        ResourceWarning,
-        stacklevel=2,
-    )
-    try:
-        owner.close()
-    except Exception as e:  # nowhere to raise to: say it
-        warnings.warn(f"closing {description} failed: {e}", RuntimeWarning, stacklevel=2)
 
 
 def _describe_creator() -> str:

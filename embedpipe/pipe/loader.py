@@ -16,7 +16,6 @@ start method) works as usual.
 
 from __future__ import annotations
 
-import signal
 import time
 import warnings
 from collections.abc import Iterator
@@ -35,22 +34,13 @@ from ..worker.batch import EmbeddedBatch
 from ..worker.collate import PadCollator
 from ..worker.looked_up import LookedUp
 from ..worker.lookup import CheckedDataset, CheckedIterable, Lookup
-from ..worker.orphans import WatchParent
+from ..worker.orphans import WatchParent, exit_reason
 
 if TYPE_CHECKING:
     from ..owner.owner import Owner
 
 #: How long a broken connection to a worker waits for that worker's exit to be seen.
 DEAD_WORKER_SECONDS = 5.0
-
-
-def _exit_reason(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
 
 
 class PipeSource:
@@ -63,20 +53,16 @@ class PipeSource:
         self._warned = False
 
     def claim(self, item: LookedUp, pin: bool) -> EmbeddedBatch:
-        if item.slot >= 0 and self.ring is not None:
-            rows = self.ring.read(item.slot, item.tag, len(item.unique_ids))
-        else:
-            rows = item.rows
-            if self.ring is not None and rows is not None and not self._warned:
-                self._warned = True
-                warnings.warn(
-                    f"a batch of {len(item.unique_ids):,} unique ids did not fit the workers' "
-                    f"ring ({self.ring.rows_per_slot:,} rows a slot) and came through torch's "
-                    "slower tensor path (correct, several times slower); pass "
-                    f"pipe.loader(..., ring_rows={len(item.unique_ids) * 2}) or more",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
+        if item.slot < 0 and self.ring is not None and item.rows is not None and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"a batch of {len(item.unique_ids):,} unique ids did not fit the workers' "
+                f"ring ({self.ring.rows_per_slot:,} rows a slot) and came through torch's "
+                "slower tensor path (correct, several times slower); pass "
+                f"pipe.loader(..., ring_rows={len(item.unique_ids) * 2}) or more",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         stream = self.owner.stream
         if stream is not None and stream.source is self:  # one of the batches it foresaw
             stream.claim(item.unique_ids)
@@ -86,7 +72,7 @@ class PipeSource:
                     "the dataset gave for the same indices (a dataset that draws at random), or "
                     "reading them ahead could not keep up with the loader"
                 )
-        return self.owner.hand_off(item, rows, self.pin or (pin and torch.cuda.is_available()))
+        return self.owner.claim(item, self.ring, self.pin or (pin and torch.cuda.is_available()))
 
 
 class PipeLoader(DataLoader):
@@ -134,6 +120,8 @@ class PipeLoader(DataLoader):
             collate_fn = default_convert if unbatched else PadCollator(owner.padding_idx, ids_key)
         source = PipeSource(owner, ring, bool(dataloader_kwargs.get("pin_memory")))
         shared = owner.shared if owner.workers_read_shared else None
+        if num_workers == 0 and getattr(owner, "reads_rows_at_claim", False):
+            shared = None  # an owner process reads them: this process never reads the table
         # set while a lookahead stream reads this loader's misses (NOTE [ Misses read by the owner ])
         self._defer = (
             SharedBlock({"misses": ((1,), np.int8, 0)})
@@ -212,7 +200,7 @@ class PipeLoader(DataLoader):
                     shutdown()
             if dead:
                 raise WorkerDiedError(
-                    f"DataLoader worker (pid {dead[0].pid}) died ({_exit_reason(dead[0].exitcode)}) "
+                    f"DataLoader worker (pid {dead[0].pid}) died ({exit_reason(dead[0].exitcode)}) "
                     "while loading batches; see the worker's own output above for why "
                     "(out of memory is the usual cause of a SIGKILL)"
                 ) from e

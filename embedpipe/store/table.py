@@ -393,10 +393,19 @@ class Table:
         return nbytes_on_disk(self.path)
 
     # ----------------------------------------------------------------------------- owner
-    def _claim(self, owner: str) -> None:
-        """Make ``owner`` (a live pipe, described) the only writer through this object."""
-        self._check_writable("making another pipe on this table")
+    def _claim(self, owner: str, *, elsewhere: bool = False) -> None:
+        """Make ``owner`` (a live pipe, described) the only writer through this object
+        (``elsewhere``: the pipe's owner process writes; this handle may be read-only)."""
+        if not elsewhere or self._lock is not None or self._owner is not None:
+            self._check_writable("making another pipe on this table")
         self._owner = owner
+
+    def _follow_live(self) -> None:
+        """Read the live arrays, and the metadata as it is now (an owner process writes them)."""
+        if self._pin is not None:
+            self._pin.release()
+            self._pin = None
+        self._open_root(self.path)
 
     def _reads_after(self, flush: Callable[[], None]) -> None:
         """The claiming pipe's ``flush``: the public reads run it first, so that they see the

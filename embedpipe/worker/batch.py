@@ -201,6 +201,30 @@ class EmbeddedBatch(Mapping[str, Any]):
         return ids
 
     @classmethod
+    def _handed_off(
+        cls,
+        item: LookedUp,
+        rows: Any,
+        owner: Owner,
+        pin: bool,
+        step: int,
+        tick: int,
+        generation: int,
+    ) -> EmbeddedBatch:
+        """The claimed batch of a worker's lookup, with its final ``rows`` (numpy, ``(U, D)``)."""
+        tensor = torch.from_numpy(rows)
+        return cls(
+            item.fields,
+            torch.from_numpy(item.unique_ids),
+            torch.from_numpy(item.inverse),
+            tensor.pin_memory() if pin else tensor,
+            owner,
+            step=step,
+            tick=tick,
+            generation=generation,
+        )
+
+    @classmethod
     def _looked_up(
         cls, item: LookedUp, source: str, ids_key: str | None = None, version: int = 0
     ) -> EmbeddedBatch:
@@ -291,19 +315,19 @@ class EmbeddedBatch(Mapping[str, Any]):
             self._owner.refresh(self)
 
     def _relooked(
-        self,
-        unique_ids: torch.Tensor,
-        inverse: torch.Tensor,
-        rows: torch.Tensor,
-        step: int,
-        tick: int,
-        generation: int,
+        self, unique_ids: Any, inverse: Any, rows: Any, step: int, tick: int, generation: int
     ) -> None:
-        """Owner: the ids were edited in place; these are the rows of the new ones."""
+        """Owner: the ids were edited in place; these are the rows of the new ones (numpy)."""
         seen = self._ids_seen
         device = self._rows.device
         self._claimed(
-            unique_ids, inverse.to(device), rows.to(device), self._owner, step, tick, generation
+            torch.from_numpy(unique_ids),
+            torch.from_numpy(inverse).to(device),
+            torch.from_numpy(rows).to(device),
+            self._owner,
+            step,
+            tick,
+            generation,
         )
         self._ids_seen = seen
 

@@ -92,3 +92,13 @@ def _watch(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(WATCH_SECONDS)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def exit_reason(code: int) -> str:
+    """A child process's exit code in words: "killed by SIGKILL", "exit status 1"."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"

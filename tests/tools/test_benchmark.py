@@ -31,6 +31,10 @@ TINY = [
     "--model-batches", "2",
     "--model-repeats", "1",
     "--handoff-batches", "40",
+    "--accel-dim", "8",
+    "--accel-batches", "2",
+    "--accel-repeats", "1",
+    "--accel-ms", "1",
 ]  # fmt: skip
 #: The cold section's options at its smallest, where this checkout has the section.
 COLD = [
@@ -53,6 +57,7 @@ GOALS = (
     "cold disk",
     "peak memory",
     "hand-off with wrong foresight",
+    "owner process",
 )
 
 
@@ -92,12 +97,15 @@ def test_every_section_and_target(tmp_path, capsys, words):
     assert text.index("### Targets") < text.index("### Rows read")
     handoff = result["sections"]["handoff"]
     assert all(handoff[p]["first_ms"] > 0 for p in ("lfu", "lookahead", "auto"))
-    for heading in ("### Throughput", "### Real model", "### Memory", "### Hand-off", "Total time"):
+    headings = ("### Throughput", "### Beside a simulated", "### Real model", "### Memory")
+    for heading in (*headings, "### Hand-off", "Total time"):
         assert heading in text
 
 
 def test_skipped_sections_are_not_measured(tmp_path, capsys):
-    result, text = run(tmp_path, capsys, "--skip", "rows", "handoff", "throughput", "model", "cold")
+    result, text = run(
+        tmp_path, capsys, "--skip", "rows", "handoff", "throughput", "accelerator", "model", "cold"
+    )
     assert set(result["sections"]) == {"memory"}
     assert all(t["measured"] is None and t["met"] is None for t in result["targets"])
     assert "not measured" in text and "### Rows read" not in text
@@ -106,7 +114,7 @@ def test_skipped_sections_are_not_measured(tmp_path, capsys):
 #: The distributed section at its smallest: one launch of 1 rank and one of 2 (~30 s on 2 cores).
 DIST = [
     "--distributed",
-    "--skip", "rows", "handoff", "throughput", "model", "memory", "cold",
+    "--skip", "rows", "handoff", "throughput", "accelerator", "model", "memory", "cold",
     "--dist-ranks", "1", "2",
     "--dist-batches", "2",
     "--dist-warmup", "1",

@@ -265,16 +265,7 @@ def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
                 v.run()
                 v.before = v.counters()
                 bar.update()
-            for r in range(max(args.repeats, args.train_repeats)):
-                for base, others, repeats in clusters:
-                    if r >= repeats:
-                        continue
-                    for v in others:
-                        bar.set_postfix_str(f"round {r + 1} {v.name[:34]} w={v.workers}")
-                        base.rates.append(base.run(args.min_time))
-                        v.rates.append(v.run(args.min_time))
-                        v.ratios.append(v.rates[-1] / base.rates[-1])
-                        bar.update(2)
+            paired_rounds(clusters, max(args.repeats, args.train_repeats), args.min_time, bar)
         rows = [summary(v) for v in variants]
     finally:
         for v in variants:
@@ -290,6 +281,23 @@ def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
         "min_time": args.min_time,
         "rows": rows,
     }
+
+
+def paired_rounds(
+    clusters: list[tuple[Variant, list[Variant], int]], rounds: int, min_time: float, bar: Any
+) -> None:
+    """Each round, every variant of each (baseline, variants, repeats) cluster is timed right
+    after a sample of its baseline, and their ratio kept (see the module docstring)."""
+    for r in range(rounds):
+        for base, others, repeats in clusters:
+            if r >= repeats:
+                continue
+            for v in others:
+                bar.set_postfix_str(f"round {r + 1} {v.name[:34]} w={v.workers}")
+                base.rates.append(base.run(min_time))
+                v.rates.append(v.run(min_time))
+                v.ratios.append(v.rates[-1] / base.rates[-1])
+                bar.update(2)
 
 
 def summary(v: Variant) -> dict[str, Any]:

@@ -1,0 +1,13 @@
+"""The table as a service: its owner in a process of its own.
+
+- ``channel.py``: :class:`Channel`, messages, raw arrays and descriptors over a Unix socket;
+- ``server.py``: the owner process (``python -m embedpipe.service.server``), serving one
+  training process;
+- ``client.py``: :class:`RemoteOwner`, the training process's side, which the pipe uses in the
+  place of an in-process owner (``EmbeddingPipe(..., owner="process")``).
+"""
+
+from .channel import Channel, ChannelClosed
+from .client import RemoteOwner
+
+__all__ = ["Channel", "ChannelClosed", "RemoteOwner"]

@@ -1,0 +1,124 @@
+"""One end of the connection between a training process and its owner process.
+
+A Unix socket carries messages of three parts: a small pickled header, raw array buffers (rows
+and gradients travel as their bytes, never pickled) and file descriptors (a shared-memory block
+crosses to the other process as its descriptor, ``SCM_RIGHTS``)::
+
+    prefix: header bytes, descriptors (2 x uint64)  [+ the descriptors, as ancillary data]
+    header: pickle of (message, [(shape, dtype) of each buffer])
+    buffers: each array's bytes, in order
+
+A peer that is gone (killed, exited) reads as :class:`ChannelClosed` on either side.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import os
+import pickle
+import socket
+import struct
+from typing import Any
+
+import numpy as np
+
+_PREFIX = struct.Struct("!QQ")
+#: Socket buffers large enough for a batch's rows in a few system calls.
+BUFFER_BYTES = 4 << 20
+
+
+class ChannelClosed(ConnectionError):
+    """The process at the other end is gone."""
+
+
+class Channel:
+    """Messages over ``sock`` (one end of a connected ``AF_UNIX`` stream socket)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            with contextlib.suppress(OSError):  # a system's limit: more, smaller system calls
+                sock.setsockopt(socket.SOL_SOCKET, option, BUFFER_BYTES)
+
+    @classmethod
+    def pair(cls) -> tuple[Channel, socket.socket]:
+        """A channel, and the other end's socket to hand to a child process."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        return cls(mine), theirs
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(
+        self, message: Any, arrays: tuple[np.ndarray, ...] = (), fds: tuple[int, ...] = ()
+    ) -> None:
+        arrays = tuple(np.ascontiguousarray(a) for a in arrays)
+        header = pickle.dumps((message, [(a.shape, a.dtype.str) for a in arrays]), protocol=5)
+        prefix = _PREFIX.pack(len(header), len(fds))
+        try:
+            if fds:
+                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+                sent = self.sock.sendmsg([prefix], rights)
+                if sent != len(prefix):
+                    self.sock.sendall(prefix[sent:])
+                self.sock.sendall(header)
+            else:
+                self.sock.sendall(prefix + header)
+            for a in arrays:
+                if a.nbytes:
+                    self.sock.sendall(memoryview(a.reshape(-1)).cast("B"))
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise ChannelClosed(str(e)) from e
+
+    def receive(self) -> tuple[Any, list[np.ndarray], list[int]]:
+        """The next message, its arrays (each its own writable memory) and its descriptors."""
+        prefix, fds = self._prefix()
+        header_size, _ = _PREFIX.unpack(prefix)
+        message, specs = pickle.loads(self._exactly(header_size))
+        arrays = []
+        for shape, dtype in specs:
+            out = np.empty(shape, dtype=np.dtype(dtype))
+            if out.nbytes:
+                self._into(memoryview(out.reshape(-1)).cast("B"))
+            arrays.append(out)
+        return message, arrays, fds
+
+    def close(self) -> None:
+        self.sock.close()
+
+    # ----------------------------------------------------------------------------- internals
+    def _prefix(self) -> tuple[bytes, list[int]]:
+        fds: list[int] = []
+        space = socket.CMSG_SPACE(16 * array.array("i").itemsize)
+        try:
+            data, ancillary, _, _ = self.sock.recvmsg(_PREFIX.size, space)
+        except ConnectionResetError as e:
+            raise ChannelClosed(str(e)) from e
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                got = array.array("i")
+                got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+                fds.extend(got)
+        if not data:
+            raise ChannelClosed("the other process closed the connection")
+        if len(data) < _PREFIX.size:
+            data += self._exactly(_PREFIX.size - len(data))
+        for fd in fds:
+            os.set_inheritable(fd, False)
+        return data, fds
+
+    def _exactly(self, size: int) -> bytes:
+        out = bytearray(size)
+        self._into(memoryview(out))
+        return bytes(out)
+
+    def _into(self, view: memoryview) -> None:
+        while len(view):
+            try:
+                got = self.sock.recv_into(view)
+            except ConnectionResetError as e:
+                raise ChannelClosed(str(e)) from e
+            if got == 0:
+                raise ChannelClosed("the other process closed the connection mid-message")
+            view = view[got:]

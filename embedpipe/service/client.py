@@ -1,0 +1,412 @@
+"""The training process's side of an owner process: :class:`RemoteOwner`.
+
+``EmbeddingPipe(..., owner="process")`` starts an owner process (``server.py``) and talks to it
+through this object, which stands where an in-process :class:`~embedpipe.owner.owner.Owner`
+would for the pipe, its loaders and its batches. What stays in the training process is what must:
+
+- the claim: a batch's unique ids and ring slot go to the owner, its final rows come back
+  (the owner reads the ring slot itself: the workers' ring is shared with it);
+- the pending gradient, as ``pipe.parameter.grad`` (``owner/gradient.py``): backward, clipping
+  and the optimizer step see it here; each step's ``(U, D)`` gradient goes to the owner as bytes;
+- ``inputs_embeds``, made from the rows on the batch's device.
+
+The cache, its policy, the optimizer state, the writeback and every read and write of the table
+live in the owner process. DataLoader workers read the shared cache directly, as with an owner
+thread (its block crosses to this process as a descriptor); with ``num_workers=0`` the owner
+reads each batch's rows, so this process never reads the table's files.
+
+A step is sent without waiting for a reply; an error it meets in the owner (a full disk) is raised
+by the next call that waits. An owner process that dies raises
+:class:`~embedpipe.errors.OwnerDiedError` at the next call, naming it and the checkpoint the table
+reopens at.
+"""
+
+from __future__ import annotations
+
+import builtins
+import itertools
+import os
+import subprocess
+import sys
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..cache.ring import BatchRing
+from ..cache.rowcache import SharedRows
+from ..cache.shm import SharedBlock
+from ..errors import OwnerDiedError
+from ..ids import as_ids, unique_inverse
+from ..optim import RowOptimizer
+from ..owner import durability
+from ..owner.gradient import TableGradient, refuse_non_finite, without_padding
+from ..owner.owner import take_options
+from ..store.checkpoints import Checkpoint
+from ..store.layout import read_table_metadata
+from ..store.lock import WriterLock
+from ..store.table import Table
+from ..worker.batch import EmbeddedBatch
+from ..worker.looked_up import LookedUp
+from ..worker.orphans import exit_reason
+from .channel import Channel, ChannelClosed
+
+#: How long ``close()`` waits for the owner process to exit once it has committed.
+EXIT_SECONDS = 30.0
+
+#: Channels of this process, closed in a forked child (a DataLoader worker) so that the owner
+#: process sees the connection end when the training process does.
+_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    for channel in list(_channels):
+        channel.sock.close()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+class RemoteOwner:
+    """An owner process, seen from the training process (see the module docstring)."""
+
+    shards = None  # a pipe sharded over ranks has one owner per rank: not in a process yet
+    stream = None  # no lookahead in an owner process yet: the policy is LFU
+    looks_ahead = False
+    writeback = None
+    reads_rows_at_claim = True  # with num_workers=0 the owner reads the rows, not the lookup
+
+    def __init__(
+        self,
+        table: Table,
+        *,
+        policy: str,
+        cache_rows: int,
+        optimizer: RowOptimizer | None,
+        options: dict[str, Any],
+        keep: int | None,
+        description: str,
+        parameter: torch.nn.Parameter | None = None,
+        owns_table: bool = False,
+    ) -> None:
+        take_options(self, table, optimizer, options, owns_table)
+        self._claimed = False  # a batch was claimed
+        self._last_stats: dict[str, int] | None = None  # as the owner closed
+        self.embeds_dtype: Callable[[], torch.dtype | None] = lambda: None
+        self._lock = threading.Lock()
+        self._rings: weakref.WeakKeyDictionary[BatchRing, int] = weakref.WeakKeyDictionary()
+        self._dropped: list[int] = []
+        self._numbers = itertools.count()
+        self._lent = optimizer is not None and table._lock is not None
+        if self._lent:  # the owner process takes the writer lock: this handle lends it
+            if table._modified:  # commit the program's own writes: the owner opens the checkpoint
+                table._commit(table.step)
+            table._lock.release()
+            table._lock = None
+        self.channel, theirs = Channel.pair()
+        _channels.add(self.channel)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "embedpipe.service.server", str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),),
+                env=_environment(),
+            )  # fmt: skip
+        finally:
+            theirs.close()
+        try:
+            (applied, self.owner_pid, layout), _, fds = self._request(
+                {
+                    "op": "open",
+                    "path": table.path,
+                    "root": table.root,
+                    "description": description,
+                    "optimizer": optimizer,
+                    "keep": keep,
+                    "policy": policy,
+                    "cache_rows": cache_rows,
+                    "options": options,
+                }
+            )
+        except BaseException:
+            self._stop()
+            self._take_table_back()
+            raise
+        self.shared = SharedRows.__new__(SharedRows)
+        self.shared.__setstate__({"block": SharedBlock.adopt(layout, fds[0])})
+        self.submitted = self.start_step = applied
+        if optimizer is not None:
+            table._follow_live()  # reads see the owner's steps (after a flush): the live arrays
+        self.gradient = (
+            TableGradient(table.dim, optimizer.lr, self.check_step, self.submit, parameter)
+            if optimizer is not None
+            else None
+        )
+
+    # ----------------------------------------------------------------------------- the loop
+    @property
+    def trains(self) -> bool:
+        return self.optimizer is not None
+
+    @property
+    def trains_now(self) -> bool:
+        return self.gradient is not None and self.gradient.parameter.requires_grad
+
+    @property
+    def behind(self) -> int:
+        return 0 if self.consistency == "exact" else self.max_staleness
+
+    def before_lookup(self) -> None:
+        if self.optimizer is not None and self.consistency == "exact":
+            self._request({"op": "wait", "behind": 0})
+
+    def claim(self, item: LookedUp, ring: BatchRing | None, pin: bool) -> EmbeddedBatch:
+        """The batch of a worker's lookup: its rows copied out of the ring here, made final by
+        the rows the owner process sends back (NOTE [ Corrections, not rows ] in
+        ``server.py``)."""
+        self.check_open()
+        if self.gradient is not None and not self._claimed:
+            self.gradient.see_optimizers()  # before a hand-written warmup changes their rates
+        self._claimed = True
+        rows = item.rows
+        if item.slot >= 0 and ring is not None:
+            rows = ring.read(item.slot, item.tag, len(item.unique_ids))  # None: overwritten
+        sent = item.rows if item.slot < 0 and item.rows is not None else np.empty(0)
+        arrays = (item.unique_ids, sent)
+        if item.deferred is not None:
+            arrays += (item.deferred,)
+        (step, tick, generation), got, _ = self._request(
+            {
+                "op": "claim",
+                "ring": self._ring_number(ring),
+                "slot": item.slot,
+                "tag": item.tag,
+                "lookup_step": item.lookup_step,
+                "hits": item.hits,
+                "misses": item.misses,
+                "trains_now": self.trains_now,
+                "have": rows is not None,
+            },
+            arrays,
+        )
+        if len(got) == 1:  # every row, read by the owner
+            rows = got[0]
+        else:  # the rows re-read since the lookup
+            stale, fresh = got
+            rows[stale] = fresh
+        return EmbeddedBatch._handed_off(item, rows, self, pin, step, tick, generation)
+
+    def refresh(self, batch: EmbeddedBatch) -> None:
+        """As ``Owner.refresh``: re-read the rows steps changed since the batch's rows were read."""
+        if self.optimizer is None:
+            return
+        if batch.step >= self.submitted - self.behind and batch.generation == self.generation:
+            return
+        self.check_open()
+        (step, tick, generation), (stale, fresh), _ = self._request(
+            {"op": "refresh", "tick": batch.tick}, (batch._unique_ids.numpy(),)
+        )
+        batch._refreshed(torch.from_numpy(stale), torch.from_numpy(fresh), step, tick, generation)
+
+    def relookup(self, batch: EmbeddedBatch, ids: torch.Tensor) -> None:
+        """As ``Owner.relookup``: the batch's ids were edited in place."""
+        self.check_open()
+        edited = as_ids(ids.detach().cpu(), self.table.num_rows, what="edited batch ids")
+        unique_ids, inverse = unique_inverse(edited, self.table.num_rows)
+        (step, tick, generation), (rows,), _ = self._request({"op": "relookup"}, (unique_ids,))
+        batch._relooked(unique_ids, inverse, rows, step, tick, generation)
+
+    def on_grad(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
+        if self.closed:
+            raise RuntimeError(
+                "this EmbeddingPipe is closed: the embedding gradient of this batch cannot be applied"
+            )
+        self.gradient.add(*without_padding(unique_ids, grad, self.padding_idx))
+
+    def check_step(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        self.check_open()
+        if self.check_finite:
+            refuse_non_finite(ids, grad, self.submitted + 1)
+
+    def submit(self, ids: torch.Tensor, grad: torch.Tensor, lr: float | None) -> None:
+        """Send one step's gradient to the owner process (no reply: see the module docstring)."""
+        grad = grad.detach().to("cpu", getattr(torch, self.table.dtype.name))
+        self._request({"op": "submit", "lr": lr}, (ids.numpy(), grad.numpy()), reply=False)
+        self.submitted += 1
+
+    # ----------------------------------------------------------------------------- the table
+    def before_read(self) -> None:
+        self.flush()
+
+    def checkpoint(self) -> Checkpoint:
+        return self._committed(self._call("checkpoint"))
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def save(self, folder: str) -> Checkpoint:
+        return self._committed(self._call("save", folder))
+
+    def stats(self) -> dict[str, int]:
+        if self.closed and self._last_stats is not None:
+            return dict(self._last_stats)
+        return self._call("stats")
+
+    def load(self, source: Table) -> None:
+        self.check_open()
+        if self.gradient is not None:
+            self.gradient.clear()
+        (self.generation, self.submitted), _, _ = self._request(
+            {"op": "load", "folder": source.path}
+        )
+
+    def close(self, raise_errors: bool = True) -> None:
+        """Commit and stop the owner process, then take the table back (as ``Owner.close``)."""
+        if self.closed:
+            return
+        if self.gradient is not None:
+            self.gradient.close(stacklevel=4)  # the caller of pipe.close
+        try:
+            (self._last_stats,), _, _ = self._request({"op": "close", "raise_errors": raise_errors})
+        except OwnerDiedError:
+            raise
+        except BaseException as e:
+            if getattr(e, "_owner_closed", False):
+                self._finish()
+            raise  # else the owner is open still: close() can be called again
+        self._finish()
+
+    def correct(self, error: object) -> None:
+        durability.correct(self, error)
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this EmbeddingPipe is closed; make a new one")
+
+    def start_stream(self, *args: Any) -> None:
+        return None
+
+    def end_stream(self, stream: Any) -> None:
+        pass
+
+    def look_blind(self, why: str) -> None:
+        pass
+
+    # ----------------------------------------------------------------------------- internals
+    def _committed(self, checkpoint: Any) -> Any:
+        """The owner process committed: this process's handle reads the table's metadata again
+        (its ``step``), as the owner's own handle does."""
+        self.table._follow_live()
+        return checkpoint
+
+    def _call(self, name: str, *args: Any) -> Any:
+        self.check_open()
+        (value,), _, _ = self._request({"op": "call", "name": name, "args": args})
+        return value
+
+    def _request(
+        self, message: dict[str, Any], arrays: tuple[np.ndarray, ...] = (), reply: bool = True
+    ) -> Any:
+        with self._lock:
+            if self._dropped:
+                message["drop_rings"], self._dropped = self._dropped, []
+            try:
+                self.channel.send(message, arrays)
+                if not reply:
+                    return None
+                answer, got, fds = self.channel.receive()
+            except ChannelClosed as e:
+                raise self._died() from e
+        for category, text in answer["warnings"]:
+            kind = getattr(builtins, category, RuntimeWarning)
+            warnings.warn(text, kind if isinstance(kind, type) else RuntimeWarning, stacklevel=3)
+        if "error" in answer:
+            error = answer["error"]
+            error._owner_closed = answer.get("closed", False)
+            raise error
+        return answer["ok"], got, fds
+
+    def _ring_number(self, ring: BatchRing | None) -> int:
+        """The number the owner process knows ``ring`` by; sent to it the first time."""
+        if ring is None:
+            return -1
+        number = self._rings.get(ring)
+        if number is None:
+            number = next(self._numbers)
+            block = ring.block
+            layout = {name: (shape, dtype.str) for name, (shape, dtype) in block.layout.items()}
+            with self._lock:
+                try:
+                    self.channel.send(
+                        {"op": "ring", "ring": number, "layout": layout, "depth": ring.depth,
+                         "rows_per_slot": ring.rows_per_slot},
+                        fds=(block.fd,),
+                    )  # fmt: skip
+                    answer, _, _ = self.channel.receive()
+                except ChannelClosed as e:
+                    raise self._died() from e
+            if "error" in answer:
+                raise answer["error"]
+            self._rings[ring] = number
+            weakref.finalize(ring, self._dropped.append, number)
+        return number
+
+    def _died(self) -> OwnerDiedError:
+        """The owner process is gone: the error that says so, and where the table reopens."""
+        self.closed = True
+        deadline = time.monotonic() + 5.0
+        while self.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        code = self.process.poll()
+        how = "still running" if code is None else exit_reason(code)
+        try:
+            step = read_table_metadata(self.table.path).get("step", "?")
+        except OSError:
+            step = "?"
+        self._stop()
+        self._take_table_back()
+        return OwnerDiedError(
+            f"the owner process of table {self.table.path} (pid {self.process.pid}) is gone "
+            f"({how}); the table reopens at its last checkpoint, step {step}: make a new pipe "
+            "to go on from there (steps since are lost)"
+        )
+
+    def _finish(self) -> None:
+        self.closed = True
+        try:
+            self.process.wait(EXIT_SECONDS)
+        except subprocess.TimeoutExpired:
+            self._stop()
+        self.channel.close()
+        self._take_table_back()
+
+    def _stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.channel.close()
+
+    def _take_table_back(self) -> None:
+        """The owner process has ended: the table's handle here holds the lock it lent, and
+        sees the checkpoint the owner committed."""
+        table = self.table
+        table._release_claim()
+        if self._lent:
+            self._lent = False
+            table._lock = WriterLock(table.path)
+        if self.optimizer is not None:
+            table._follow_live()  # the checkpoint the owner committed
+        if self.owns_table:
+            table.close()
+
+
+def _environment() -> dict[str, str]:
+    """The owner process's environment: this one's, with embedpipe importable as here."""
+    env = dict(os.environ)
+    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+    return env

@@ -1,0 +1,261 @@
+"""The owner process: a table's :class:`~embedpipe.owner.owner.Owner`, served to one training
+process over a :class:`~embedpipe.service.channel.Channel`.
+
+The training process starts it (``python -m embedpipe.service.server FD PARENT``, the socket's
+other end as ``FD``) and sends what the owner needs to open the table; from then on this process
+is the table's only writer: it holds the writer lock, the cache and its policy, the optimizer
+state, the writeback thread and every read and write of the table's files. The training process
+keeps the pending gradient (``pipe.parameter``) and builds ``inputs_embeds``; DataLoader workers
+read the shared cache directly, as they do from an owner thread.
+
+Requests are served one at a time, in the order they were sent, so a step is applied after the
+hand-offs before it and a hand-off sees the steps before it, as in one process. A hand-off's
+reply goes out as soon as its rows are final; its admission into the cache (evictions, their
+writes) runs after, while the training process goes on (``Owner.final_rows``). An error that
+comes after the reply, or of a request that has none (a step), is the reply to the next request.
+
+NOTE [ Corrections, not rows ]
+A batch's unique rows are several MB (2,300 rows of 768 floats: 7 MB); sending them back and
+forth would cost two more copies of them per batch than the owner thread pays. So the training
+process copies the rows out of the workers' ring slot itself, as the owner thread does, and
+says whether it could (``have``). This process copies from the slot only the rows the cache
+lacks (the ones it may admit, and stage for the step), re-reads the rows steps changed since the
+lookup, and sends back only those (positions and rows). It sends every row only when it read
+them all itself: the slot was overwritten, or the lookup left the rows to it (``num_workers=0``).
+
+Warnings raised here (a failed write ahead of need) go back with the next reply and are raised
+again in the training process.
+
+This process ends with its training process however that ends: the connection's end (EOF) or
+a parent that is no longer the one that started it ends it at once, without a commit: the table
+stays at its last checkpoint, as after a crash of one process.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import sys
+import threading
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..cache.policy import make_policy
+from ..cache.ring import BatchRing
+from ..cache.shm import SharedBlock
+from ..owner.owner import Owner
+from ..store.table import Table
+from ..worker.looked_up import LookedUp
+from .channel import Channel, ChannelClosed
+
+#: How often the owner process looks whether its training process is still its parent.
+PARENT_POLL_SECONDS = 0.2
+
+
+class ServedOwner(Owner):
+    """An owner whose training process says, with each hand-off, whether the table trains now
+    (its ``pipe.parameter`` requires grad)."""
+
+    trains_now = True
+
+
+class Server:
+    """Serves one training process's requests until it closes the pipe (or is gone)."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.owner: ServedOwner | None = None
+        self.rings: dict[int, BatchRing] = {}
+        self.later: BaseException | None = None  # the error of a request already answered
+        self.warned: list[tuple[str, str]] = []
+        self.done = False
+
+    # ----------------------------------------------------------------------------- the loop
+    def run(self) -> None:
+        warnings.showwarning = self._keep_warning
+        while not self.done:
+            message, arrays, fds = self.channel.receive()
+            for ring in message.pop("drop_rings", ()):
+                self.rings.pop(ring, None)
+            op = message.pop("op")
+            handler = getattr(self, f"do_{op}")
+            try:
+                if self.later is not None and op != "submit":
+                    error, self.later = self.later, None
+                    raise error
+                handler(message, arrays, fds)
+            except ChannelClosed:
+                raise
+            except BaseException as e:  # carried to the training process
+                if op == "submit":  # no reply to give it to: the next request's
+                    self.later = self.later or e
+                else:
+                    self.reply_error(e)
+
+    def reply(self, *values: Any, arrays: tuple[np.ndarray, ...] = ()) -> None:
+        warned, self.warned = self.warned, []
+        self.channel.send({"ok": values, "warnings": warned}, arrays)
+
+    def reply_error(self, error: BaseException, **more: Any) -> None:
+        warned, self.warned = self.warned, []
+        try:
+            pickle.dumps(error)
+        except Exception:  # not picklable: its text
+            error = RuntimeError(f"{type(error).__name__}: {error}")
+        self.channel.send({"error": error, "warnings": warned, **more})
+
+    def _keep_warning(self, message: Any, category: type, *rest: Any, **kw: Any) -> None:
+        self.warned.append((category.__name__, str(message)))
+
+    # ----------------------------------------------------------------------------- requests
+    def do_open(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        optimizer = m["optimizer"]
+        if optimizer is None:  # frozen: the rows the training process's handle reads
+            table = Table._reader(m["path"], m["root"])
+        else:
+            table = Table.open(m["path"], "r+")
+        try:
+            if optimizer is not None:
+                table._claim(m["description"])
+                table._prepare(optimizer, m["keep"])
+            policy = make_policy(m["policy"], m["cache_rows"], table.num_rows, 0)
+            self.owner = ServedOwner(table, policy, optimizer, m["options"], owns_table=True)
+        except BaseException:
+            table._release_claim()
+            table.close()
+            raise
+        if optimizer is not None:
+            table._reads_after(self.owner.before_read)
+        block = self.owner.shared.block
+        layout = {name: (shape, dtype.str) for name, (shape, dtype) in block.layout.items()}
+        self.channel.send(
+            {"ok": (self.owner.applied_step, os.getpid(), layout), "warnings": []},
+            fds=(block.fd,),
+        )
+
+    def do_ring(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        ring = BatchRing.__new__(BatchRing)
+        block = SharedBlock.adopt(m["layout"], fds[0])
+        ring.__setstate__(
+            {"depth": m["depth"], "rows_per_slot": m["rows_per_slot"], "block": block}
+        )
+        self.rings[m["ring"]] = ring
+        self.reply()
+
+    def do_claim(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        """A batch's claim: the training process copied its rows out of the ring (``have``);
+        this process reads from the slot only the rows the cache lacks (to admit them), and
+        sends back only the rows it re-read (NOTE [ Corrections, not rows ])."""
+        owner = self.owner
+        owner.trains_now = m["trains_now"]
+        ring = self.rings.get(m["ring"])
+        unique_ids = arrays[0]
+        deferred = arrays[2] if len(arrays) > 2 else None
+        item = LookedUp({}, unique_ids, unique_ids, m["slot"], m["tag"], None, m["lookup_step"],
+                        m["hits"], m["misses"], deferred)  # fmt: skip
+        rows = arrays[1] if arrays[1].ndim == 2 else None  # rows that did not fit the ring
+        if rows is None and m["have"] and item.slot >= 0 and ring is not None:
+            lacked = np.flatnonzero(owner.shared.slot_of[unique_ids] < 0)
+            rows = ring.read_some(item.slot, item.tag, len(unique_ids), lacked)  # None: overwritten
+        answered = False
+
+        def deliver(final: np.ndarray, stale: np.ndarray | None, step: int, tick: int) -> None:
+            nonlocal answered
+            if stale is None or not m["have"]:
+                self.reply(step, tick, owner.generation, arrays=(final,))
+            else:
+                self.reply(step, tick, owner.generation, arrays=(stale, final[stale]))
+            answered = True
+
+        try:
+            owner.final_rows(item, rows, deliver)
+        except BaseException as e:
+            if not answered:
+                raise
+            self.later = e  # the admission after the reply failed: say it at the next request
+
+    def do_refresh(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        owner = self.owner
+        owner._wait_for_steps()
+        step = owner.applied_step
+        ids = arrays[0]
+        with owner.lock:
+            stale = np.flatnonzero(owner.cache.last_updated[ids] > m["tick"])
+            fresh = owner.cache.current(ids[stale])
+            tick = owner.cache.clock
+        owner.counts["refreshed"] += len(stale)
+        self.reply(step, tick, owner.generation, arrays=(stale, fresh))
+
+    def do_relookup(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        owner = self.owner
+        owner._wait_for_steps()
+        step = owner.applied_step
+        with owner.lock:
+            rows = owner.cache.current(arrays[0])
+            tick = owner.cache.clock
+        owner.counts["relookups"] += 1
+        self.reply(step, tick, owner.generation, arrays=(rows,))
+
+    def do_submit(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        ids, grad = arrays
+        self.owner.submit(torch.from_numpy(ids), torch.from_numpy(grad), m["lr"])
+
+    def do_wait(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        if self.owner.writeback is not None:
+            self.owner.writeback.wait(m["behind"])
+        self.reply(self.owner.applied_step)
+
+    def do_call(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        """The owner's methods that take and give small values: checkpoint, flush, stats..."""
+        if m["name"] not in ("checkpoint", "flush", "save", "stats"):
+            raise ValueError(f"the owner process does not serve {m['name']!r}")
+        self.reply(getattr(self.owner, m["name"])(*m["args"]))
+
+    def do_load(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        self.owner.load(Table.open(m["folder"], "r"))
+        self.reply(self.owner.generation, self.owner.applied_step)
+
+    def do_close(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        """Commit and release the table; this process then ends. A close that failed and left
+        the owner open (a full disk) can be asked again."""
+        try:
+            self.owner.close(m["raise_errors"])
+        except BaseException as e:
+            self.done = self.owner.closed
+            self.reply_error(e, closed=self.owner.closed)
+            return
+        self.done = True
+        self.reply(self.owner.stats())  # the pipe's stats() after close
+
+
+def watch_parent(parent: int) -> None:
+    """End this process at once when the training process that started it is gone (however it
+    ended: this process is then re-parented)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="embedpipe-watch-parent", daemon=True).start()
+
+
+def main(argv: list[str]) -> int:
+    fd, parent = int(argv[0]), int(argv[1])
+    watch_parent(parent)
+    torch.set_num_threads(1)  # the training process's cores are its own
+    server = Server(Channel(socket.socket(fileno=fd)))
+    try:
+        server.run()
+    except ChannelClosed:  # the training process is gone: leave the table at its checkpoint
+        os._exit(1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,180 @@
+"""The loop beside a simulated accelerator: what the pipe costs a training process whose model
+runs elsewhere (section ``accelerator``).
+
+On a GPU the training process spends most of a step waiting for the device, with the GIL
+released (a CUDA synchronize does that). This section waits ``T`` ms per batch the same way
+(``time.sleep``, between the forward read of ``inputs_embeds`` and backward), so what it measures
+is what the pipe adds to the step's critical path and what its threads take from the training
+process, not the host's arithmetic. Per batch::
+
+    embeds = lookup;  wait T ms (GIL released);  embeds.sum().backward();  optimizer step
+
+Variants, ``--accel-dim`` floats a row, a cache of ``--accel-cache-frac``, Adagrad (lr 0.01),
+``--workers`` DataLoader workers:
+
+- (a) ``nn.Embedding(sparse=True)`` + ``torch.optim.Adagrad``, the table in RAM, ids from a
+  plain DataLoader (the baseline);
+- (t) embedpipe, the owner in a thread of the training process (``owner="thread"``);
+- (p) embedpipe, the owner in a process of its own (``owner="process"``).
+
+Each variant's sample is paired with a baseline sample taken just before it (as in the
+throughput section); the median ratio is reported. Target (the table-service issue): >= 0.95x
+at T = 10 and 20 ms, 5% cache, D = 768.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from ... import optim
+from ...pipe.handle import EmbeddingPipe
+from ...store.table import Table
+from .options import fraction, integer
+from .report import md_table, quartiles, ratio, target
+from .throughput import Variant, paired_rounds, summary
+from .traces import TraceDataset, zipf_trace
+
+NAME = "accelerator"
+QUICK = {"accel_batches": 8, "accel_repeats": 3, "accel_ms": [10]}
+GOAL = 0.95
+LR = 0.01
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("simulated accelerator (section 'accelerator')")
+    g.add_argument(
+        "--accel-ms", type=float, nargs="+", default=[10.0, 20.0], help="accelerator ms a batch"
+    )
+    g.add_argument("--accel-dim", type=integer(1), default=768, help="floats per row")
+    g.add_argument("--accel-cache-frac", type=fraction, default=0.05, help="the pipes' cache")
+    g.add_argument("--accel-batches", type=integer(1), default=30, help="batches per pass")
+    g.add_argument("--accel-repeats", type=integer(1), default=5, help="timed samples")
+
+
+def waiting(step: Any, seconds: float) -> Any:
+    """``step`` with the accelerator's wait between the lookup and backward."""
+
+    def run(batch: Any) -> None:
+        step(batch, lambda: time.sleep(seconds))
+
+    return run
+
+
+def in_ram(weight: torch.Tensor) -> Any:
+    emb = nn.Embedding.from_pretrained(weight.clone(), freeze=False, sparse=True)
+    adagrad = torch.optim.Adagrad(emb.parameters(), lr=LR)
+
+    def step(batch: Any, wait: Any) -> None:
+        embeds = emb(batch["input_ids"])
+        wait()
+        embeds.sum().backward()
+        adagrad.step()
+        adagrad.zero_grad()
+
+    return step
+
+
+def piped(pipe: EmbeddingPipe) -> Any:
+    def step(batch: Any, wait: Any) -> None:
+        embeds = batch["inputs_embeds"]
+        wait()
+        embeds.sum().backward()
+        pipe.step()
+
+    return step
+
+
+def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
+    trace = zipf_trace(args, args.accel_batches)
+    data = TraceDataset(trace.head(args.accel_batches))
+    path = os.path.join(workdir, "accelerator.zarr")
+    Table.create(path, args.vocab, args.accel_dim, seed=args.seed).close()
+    weight = Table.open(path).to_tensor()
+    cache = max(1, round(args.accel_cache_frac * args.vocab))
+    kw: dict[str, Any] = {
+        "batch_size": args.batch_size,
+        "num_workers": args.workers,
+        "persistent_workers": True,
+    }
+    results = []
+    for ms in args.accel_ms:
+        pipes = []
+        variants = [Variant(f"(a) nn.Embedding sparse + torch Adagrad, {ms:g} ms", args.workers,
+                            DataLoader(data, **kw), waiting(in_ram(weight), ms / 1000), train=True)]  # fmt: skip
+        for owner in ("thread", "process"):
+            copy = os.path.join(workdir, f"accelerator-{owner}-{ms:g}.zarr")
+            Table.from_tensor(copy, weight).close()
+            pipe = EmbeddingPipe(
+                copy, cache_rows=cache, optimizer=optim.Adagrad(lr=LR), owner=owner
+            )
+            pipes.append(pipe)
+            name = f"({owner[0]}) embedpipe, owner {owner}, cache {args.accel_cache_frac:.0%}"
+            variants.append(
+                Variant(
+                    name,
+                    args.workers,
+                    pipe.loader(data, **kw),
+                    waiting(piped(pipe), ms / 1000),
+                    pipe,
+                    train=True,
+                )
+            )
+        try:
+            total = len(variants) + 2 * (len(variants) - 1) * args.accel_repeats
+            with tqdm(total=total, desc=f"accelerator {ms:g} ms", unit="pass") as bar:
+                for v in variants:
+                    v.run()  # warm-up
+                    v.before = v.counters()
+                    bar.update()
+                clusters = [(variants[0], variants[1:], args.accel_repeats)]
+                paired_rounds(clusters, args.accel_repeats, 0.0, bar)
+            results += [{**summary(v), "ms": ms} for v in variants]
+        finally:
+            for pipe in pipes:
+                pipe.close()
+            del variants
+            gc.collect()
+    return {"rows": results, "batches": args.accel_batches, "repeats": args.accel_repeats}
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> str:
+    head = (
+        f"### Beside a simulated accelerator: dim {args.accel_dim}, batches of "
+        f"{args.batch_size} x {args.seq_len}, {args.workers} workers, Adagrad\n\n"
+        "Each batch: the lookup, a wait of T ms with the GIL released (the accelerator's "
+        "forward and backward), backward into the rows, the optimizer step. Median batches/s "
+        f"of {result['repeats']} passes over {result['batches']} batches; vs (a): the ratio to "
+        "`nn.Embedding(sparse=True)` + torch Adagrad timed just before, median and quartiles.\n"
+    )
+    rows = [
+        [
+            f"{r['ms']:g}",
+            r["name"],
+            f"{r['batches_per_s']:.1f}",
+            ratio(r["vs_baseline"]) if r["ratios"] else "1.00x",
+        ]
+        for r in result["rows"]
+    ]
+    return head + "\n" + md_table(["T ms", "variant", "batches/s", "vs (a)"], rows) + "\n"
+
+
+def targets(result: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if result is None:
+        return [target("beside a simulated accelerator, vs nn.Embedding", None, ">= 0.95x", None)]
+    out = []
+    for r in result["rows"]:
+        if r["ratios"]:
+            x = quartiles(r["ratios"])[1]
+            out.append(
+                target(f"{r['name']}, {r['ms']:g} ms vs (a)", x, f">= {GOAL:.2f}x", x >= GOAL)
+            )
+    return out
