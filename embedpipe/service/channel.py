@@ -37,6 +37,9 @@ class Channel:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        #: Why the stream can no longer be read in step (a message half sent or half read),
+        #: else None; every later send and receive raises :class:`ChannelClosed`.
+        self.broken: str | None = None
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             with contextlib.suppress(OSError):  # a system's limit: more, smaller system calls
                 sock.setsockopt(socket.SOL_SOCKET, option, BUFFER_BYTES)
@@ -57,6 +60,8 @@ class Channel:
         header = pickle.dumps((message, [(a.shape, a.dtype.str) for a in arrays]), protocol=5)
         prefix = _PREFIX.pack(len(header), len(fds))
         try:
+            self._check()
+            self.broken = "interrupted while it sent a message"  # until the message is out
             if fds:
                 rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
                 sent = self.sock.sendmsg([prefix], rights)
@@ -68,12 +73,18 @@ class Channel:
             for a in arrays:
                 if a.nbytes:
                     self.sock.sendall(memoryview(a.reshape(-1)).cast("B"))
+            self.broken = None
         except (BrokenPipeError, ConnectionResetError) as e:
             raise ChannelClosed(str(e)) from e
 
     def receive(self) -> tuple[Any, list[np.ndarray], list[int]]:
-        """The next message, its arrays (each its own writable memory) and its descriptors."""
+        """The next message, its arrays (each its own writable memory) and its descriptors.
+
+        An exception (a signal's) while it waits for the message's first byte leaves the
+        stream whole; one after it leaves the channel :attr:`broken`."""
+        self._check()
         prefix, fds = self._prefix()
+        self.broken = "interrupted while it received a message"  # until the message is in
         header_size, _ = _PREFIX.unpack(prefix)
         message, specs = pickle.loads(self._exactly(header_size))
         arrays = []
@@ -82,7 +93,12 @@ class Channel:
             if out.nbytes:
                 self._into(memoryview(out.reshape(-1)).cast("B"))
             arrays.append(out)
+        self.broken = None
         return message, arrays, fds
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise ChannelClosed(f"the connection was {self.broken}: its messages are out of step")
 
     def close(self) -> None:
         self.sock.close()

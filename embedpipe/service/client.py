@@ -96,6 +96,7 @@ class RemoteOwner:
     ) -> None:
         take_options(self, table, optimizer, options, owns_table)
         self._claimed = False  # a batch was claimed
+        self._owed = 0  # replies the owner process owes to requests a signal interrupted
         self._last_stats: dict[str, int] | None = None  # as the owner closed
         self.embeds_dtype: Callable[[], torch.dtype | None] = lambda: None
         self._lock = threading.Lock()
@@ -315,10 +316,15 @@ class RemoteOwner:
             if self._dropped:
                 message["drop_rings"], self._dropped = self._dropped, []
             try:
+                while self._owed:  # replies to requests a signal interrupted: not ours
+                    self.channel.receive()
+                    self._owed -= 1
                 self.channel.send(message, arrays)
                 if not reply:
                     return None
+                self._owed += 1
                 answer, got, fds = self.channel.receive()
+                self._owed -= 1
             except ChannelClosed as e:
                 raise self._died() from e
         for category, text in answer["warnings"]:
@@ -358,11 +364,14 @@ class RemoteOwner:
     def _died(self) -> OwnerDiedError:
         """The owner process is gone: the error that says so, and where the table reopens."""
         self.closed = True
-        deadline = time.monotonic() + 5.0
+        broken = self.channel.broken
+        deadline = time.monotonic() + (0.0 if broken else 5.0)
         while self.process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         code = self.process.poll()
         how = "still running" if code is None else exit_reason(code)
+        if broken is not None:  # out of step: nothing it says can be trusted now
+            how = f"stopped: the connection to it was {broken} (a signal? Ctrl-C?)"
         try:
             step = read_table_metadata(self.table.path).get("step", "?")
         except OSError:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest.mock import Mock
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from embedpipe.errors import (
 )
 from embedpipe.pipe import EmbeddingPipe
 
-from ..helpers import slow, train_offloaded, train_reference, zipf_dataset
+from ..helpers import slow, tiny_model, train_offloaded, train_reference, zipf_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -196,3 +197,46 @@ def test_the_training_process_holds_no_cache_and_reads_no_table_file(tmp_path):
     if read_small >= 0:  # the page cache could be dropped (root)
         assert read_small == read_large == 0, measured
         assert owner_small > 0, measured  # the 1% cache's misses were read, elsewhere
+
+
+def test_a_signal_in_the_middle_of_a_request_never_puts_the_replies_out_of_step(
+    tmp_path, data, monkeypatch
+):
+    """Ctrl-C while the training process waits for a reply leaves that reply in the socket:
+    the next request must not take it for its own (the rows of one batch given to another).
+    Interrupted before the reply's first byte, the pipe goes on exactly; interrupted in the
+    middle of a message, the pipe stops its owner process and says so."""
+    ref, _, _ = train_reference(data, "sgd", 0.5)
+    model = tiny_model()
+    weight = model.bert.embeddings.word_embeddings.weight.detach().clone()
+    embedpipe.Table.from_tensor(tmp_path / "t.zarr", weight, chunk_rows=64).close()
+    dense = torch.optim.SGD([p for n, p in model.named_parameters() if "word_emb" not in n], 0.05)
+    with EmbeddingPipe(
+        tmp_path / "t.zarr", cache_rows=50, optimizer=embedpipe.optim.SGD(lr=0.5), owner="process"
+    ) as pipe:
+        channel = pipe._owner.channel
+        receive = channel.receive
+        for n, batch in enumerate(pipe.loader(data, batch_size=8, num_workers=2)):
+            out = model(inputs_embeds=batch["inputs_embeds"], attention_mask=batch["attention_mask"],
+                        labels=batch["labels"])  # fmt: skip
+            out.loss.backward()
+            dense.step()
+            dense.zero_grad()
+            pipe.step()
+            if n == 3:  # a signal while stats() waits for its reply: before its first byte
+                with monkeypatch.context() as m:
+                    m.setattr(channel, "receive", Mock(side_effect=KeyboardInterrupt))
+                    with pytest.raises(KeyboardInterrupt):
+                        pipe.stats()
+                assert channel.receive == receive
+    assert torch.equal(embedpipe.Table.open(tmp_path / "t.zarr").to_tensor(), ref)
+
+    pipe = EmbeddingPipe(
+        tmp_path / "t.zarr", cache_rows=50, optimizer=embedpipe.optim.SGD(lr=0.5), owner="process"
+    )
+    channel = pipe._owner.channel
+    channel.broken = "interrupted while it received a message"  # as _into would leave it
+    with pytest.raises(OwnerDiedError, match="interrupted while it received"):
+        pipe.stats()
+    pipe.close()
+    assert embedpipe.Table.open(tmp_path / "t.zarr", "r+").step == 8  # the lock is free
