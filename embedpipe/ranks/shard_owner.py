@@ -179,7 +179,7 @@ class ShardOwner(Owner):
                 error = e
         self.shards.agree(error, f"loading the snapshot {source.path}")
         if not self.shards.leader:
-            self.table._meta = Table._shard_writer(self.table.path)._meta
+            self.table._meta = Table._reader(self.table.path, self.table.path, "r+")._meta
             self.table._open_root(self.table.path)
 
     # ------------------------------------------------------------------------- lifecycle
@@ -239,7 +239,7 @@ def open_shard(
         if not shards.leader:
             if opened is not None:
                 opened.close()  # a handle of its own: rank 0 holds the lock
-            opened, owns_table = Table._shard_writer(path), True
+            opened, owns_table = Table._reader(path, path, "r+"), True
             opened._owner = f"{creator}, {shards.describe()}"
         shards.plan(opened.num_rows, opened.chunk_rows)
         facts = (opened.path, opened.num_rows, opened.dim, opened.dtype.name, optimizer.config())

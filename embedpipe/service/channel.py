@@ -17,13 +17,17 @@ import array
 import contextlib
 import os
 import pickle
+import select
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 _PREFIX = struct.Struct("!QQ")
+#: How often a receive that waits for a message looks whether it should stop waiting.
+POLL_SECONDS = 0.1
 #: Socket buffers large enough for a batch's rows in a few system calls.
 BUFFER_BYTES = 4 << 20
 
@@ -75,14 +79,21 @@ class Channel:
                     self.sock.sendall(memoryview(a.reshape(-1)).cast("B"))
             self.broken = None
         except (BrokenPipeError, ConnectionResetError) as e:
+            self.broken = None  # not out of step: the other process is gone
             raise ChannelClosed(str(e)) from e
 
-    def receive(self) -> tuple[Any, list[np.ndarray], list[int]]:
+    def receive(
+        self, waiting: Callable[[], None] | None = None
+    ) -> tuple[Any, list[np.ndarray], list[int]]:
         """The next message, its arrays (each its own writable memory) and its descriptors.
 
-        An exception (a signal's) while it waits for the message's first byte leaves the
-        stream whole; one after it leaves the channel :attr:`broken`."""
+        ``waiting()`` is called every :data:`POLL_SECONDS` while no byte of it has come (it may
+        raise: a held Ctrl-C). An exception while it waits for the message's first byte leaves
+        the stream whole; one after it leaves the channel :attr:`broken`."""
         self._check()
+        if waiting is not None:
+            while not select.select([self.sock], [], [], POLL_SECONDS)[0]:
+                waiting()
         prefix, fds = self._prefix()
         self.broken = "interrupted while it received a message"  # until the message is in
         header_size, _ = _PREFIX.unpack(prefix)

@@ -24,15 +24,17 @@ reopens at.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -49,7 +51,6 @@ from ..owner.gradient import TableGradient, refuse_non_finite, without_padding
 from ..owner.owner import take_options
 from ..store.checkpoints import Checkpoint
 from ..store.layout import read_table_metadata
-from ..store.lock import WriterLock
 from ..store.table import Table
 from ..worker.batch import EmbeddedBatch
 from ..worker.looked_up import LookedUp
@@ -103,20 +104,25 @@ class RemoteOwner:
         self._rings: weakref.WeakKeyDictionary[BatchRing, int] = weakref.WeakKeyDictionary()
         self._dropped: list[int] = []
         self._numbers = itertools.count()
+        #: The program's ``Table`` holds the writer lock: it lends it to the owner process as a
+        #: descriptor of the same open file (so no other writer can take it in between)
         self._lent = optimizer is not None and table._lock is not None
-        if self._lent:  # the owner process takes the writer lock: this handle lends it
-            if table._modified:  # commit the program's own writes: the owner opens the checkpoint
-                table._commit(table.step)
-            table._lock.release()
-            table._lock = None
+        if self._lent and table._modified:  # the owner opens the last checkpoint: commit them
+            table._commit(table.step)
         self.channel, theirs = Channel.pair()
         _channels.add(self.channel)
+        lock_fd = table._lock.fd if self._lent else None
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "embedpipe.service.server", str(theirs.fileno()), str(os.getpid())],
-                pass_fds=(theirs.fileno(),),
+                [sys.executable, "-P", "-m", "embedpipe.service.server", str(theirs.fileno()),
+                 str(os.getpid())],
+                pass_fds=(theirs.fileno(),) + ((lock_fd,) if self._lent else ()),
                 env=_environment(),
+                start_new_session=True,  # a Ctrl-C in the terminal is the training process's
             )  # fmt: skip
+        except BaseException:
+            self.channel.close()
+            raise
         finally:
             theirs.close()
         try:
@@ -125,6 +131,7 @@ class RemoteOwner:
                     "op": "open",
                     "path": table.path,
                     "root": table.root,
+                    "lock_fd": lock_fd,
                     "description": description,
                     "optimizer": optimizer,
                     "keep": keep,
@@ -133,12 +140,12 @@ class RemoteOwner:
                     "options": options,
                 }
             )
+            self.shared = SharedRows.__new__(SharedRows)
+            self.shared.__setstate__({"block": SharedBlock.adopt(layout, fds[0])})
         except BaseException:
             self._stop()
-            self._take_table_back()
+            self._take_table_back(died=True)
             raise
-        self.shared = SharedRows.__new__(SharedRows)
-        self.shared.__setstate__({"block": SharedBlock.adopt(layout, fds[0])})
         self.submitted = self.start_step = applied
         if optimizer is not None:
             table._follow_live()  # reads see the owner's steps (after a flush): the live arrays
@@ -236,8 +243,8 @@ class RemoteOwner:
     def submit(self, ids: torch.Tensor, grad: torch.Tensor, lr: float | None) -> None:
         """Send one step's gradient to the owner process (no reply: see the module docstring)."""
         grad = grad.detach().to("cpu", getattr(torch, self.table.dtype.name))
+        self.submitted += 1  # first: a Ctrl-C held back until the step is sent is raised after
         self._request({"op": "submit", "lr": lr}, (ids.numpy(), grad.numpy()), reply=False)
-        self.submitted += 1
 
     # ----------------------------------------------------------------------------- the table
     def before_read(self) -> None:
@@ -276,7 +283,7 @@ class RemoteOwner:
         except OwnerDiedError:
             raise
         except BaseException as e:
-            if getattr(e, "_owner_closed", False):
+            if getattr(e, "_owner_closed", False) or isinstance(e, Warning):  # -W error
                 self._finish()
             raise  # else the owner is open still: close() can be called again
         self._finish()
@@ -310,31 +317,41 @@ class RemoteOwner:
         return value
 
     def _request(
-        self, message: dict[str, Any], arrays: tuple[np.ndarray, ...] = (), reply: bool = True
+        self,
+        message: dict[str, Any],
+        arrays: tuple[np.ndarray, ...] = (),
+        reply: bool = True,
+        fds: tuple[int, ...] = (),
     ) -> Any:
-        with self._lock:
+        """Send ``message`` and return the owner process's reply (``ok`` values, arrays,
+        descriptors), raising its error. A Ctrl-C is held back while bytes cross and taken while
+        the reply is awaited: then the reply is owed, and read and dropped before the next
+        request, so the two processes never fall out of step."""
+        with self._lock, _interrupts_held() as interrupted:
             if self._dropped:
                 message["drop_rings"], self._dropped = self._dropped, []
             try:
                 while self._owed:  # replies to requests a signal interrupted: not ours
                     self.channel.receive()
                     self._owed -= 1
-                self.channel.send(message, arrays)
+                self.channel.send(message, arrays, fds)
                 if not reply:
                     return None
                 self._owed += 1
-                answer, got, fds = self.channel.receive()
+                answer, got, received = self.channel.receive(waiting=interrupted)
                 self._owed -= 1
             except ChannelClosed as e:
                 raise self._died() from e
+        error = answer.get("error")
         for category, text in answer["warnings"]:
             kind = getattr(builtins, category, RuntimeWarning)
-            warnings.warn(text, kind if isinstance(kind, type) else RuntimeWarning, stacklevel=3)
-        if "error" in answer:
-            error = answer["error"]
+            kind = kind if isinstance(kind, type) and issubclass(kind, Warning) else RuntimeWarning
+            with contextlib.suppress(Warning) if error is not None else contextlib.nullcontext():
+                warnings.warn(text, kind, stacklevel=3)  # -W error: it must not hide the error
+        if error is not None:
             error._owner_closed = answer.get("closed", False)
             raise error
-        return answer["ok"], got, fds
+        return answer["ok"], got, received
 
     def _ring_number(self, ring: BatchRing | None) -> int:
         """The number the owner process knows ``ring`` by; sent to it the first time."""
@@ -345,18 +362,11 @@ class RemoteOwner:
             number = next(self._numbers)
             block = ring.block
             layout = {name: (shape, dtype.str) for name, (shape, dtype) in block.layout.items()}
-            with self._lock:
-                try:
-                    self.channel.send(
-                        {"op": "ring", "ring": number, "layout": layout, "depth": ring.depth,
-                         "rows_per_slot": ring.rows_per_slot},
-                        fds=(block.fd,),
-                    )  # fmt: skip
-                    answer, _, _ = self.channel.receive()
-                except ChannelClosed as e:
-                    raise self._died() from e
-            if "error" in answer:
-                raise answer["error"]
+            self._request(
+                {"op": "ring", "ring": number, "layout": layout, "depth": ring.depth,
+                 "rows_per_slot": ring.rows_per_slot},
+                fds=(block.fd,),
+            )  # fmt: skip
             self._rings[ring] = number
             weakref.finalize(ring, self._dropped.append, number)
         return number
@@ -377,7 +387,7 @@ class RemoteOwner:
         except OSError:
             step = "?"
         self._stop()
-        self._take_table_back()
+        self._take_table_back(died=True)
         return OwnerDiedError(
             f"the owner process of table {self.table.path} (pid {self.process.pid}) is gone "
             f"({how}); the table reopens at its last checkpoint, step {step}: make a new pipe "
@@ -391,7 +401,7 @@ class RemoteOwner:
         except subprocess.TimeoutExpired:
             self._stop()
         self.channel.close()
-        self._take_table_back()
+        self._take_table_back(died=False)
 
     def _stop(self) -> None:
         if self.process.poll() is None:
@@ -399,18 +409,44 @@ class RemoteOwner:
             self.process.wait()
         self.channel.close()
 
-    def _take_table_back(self) -> None:
-        """The owner process has ended: the table's handle here holds the lock it lent, and
-        sees the checkpoint the owner committed."""
+    def _take_table_back(self, died: bool) -> None:
+        """The owner process has ended: the table's handle here sees the checkpoint it committed;
+        if it died, a lent lock's handle first takes the live arrays back to that checkpoint
+        (they hold what the owner wrote since)."""
         table = self.table
         table._release_claim()
-        if self._lent:
-            self._lent = False
-            table._lock = WriterLock(table.path)
+        if self._lent and died:
+            table._roll_back()
         if self.optimizer is not None:
-            table._follow_live()  # the checkpoint the owner committed
+            table._follow_live()
         if self.owns_table:
             table.close()
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[Callable[[], None] | None]:
+    """Hold SIGINT back (in the main thread, under Python's own handler) while a message
+    crosses; yields the check that raises the held ``KeyboardInterrupt`` (called while nothing
+    has crossed yet), and raises it at the end if it was not raised before."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield None
+        return
+    held: list[int] = []
+
+    def interrupted() -> None:
+        if held:
+            held.clear()
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupted()
 
 
 def _environment() -> dict[str, str]:

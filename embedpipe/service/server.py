@@ -33,8 +33,10 @@ stays at its last checkpoint, as after a crash of one process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import signal
 import socket
 import sys
 import threading
@@ -49,6 +51,7 @@ from ..cache.policy import make_policy
 from ..cache.ring import BatchRing
 from ..cache.shm import SharedBlock
 from ..owner.owner import Owner
+from ..store.lock import WriterLock
 from ..store.table import Table
 from ..worker.looked_up import LookedUp
 from .channel import Channel, ChannelClosed
@@ -85,13 +88,16 @@ class Server:
             op = message.pop("op")
             handler = getattr(self, f"do_{op}")
             try:
-                if self.later is not None and op != "submit":
+                if self.later is not None and op not in ("submit", "close"):
                     error, self.later = self.later, None
                     raise error
                 handler(message, arrays, fds)
             except ChannelClosed:
                 raise
             except BaseException as e:  # carried to the training process
+                for fd in fds:  # descriptors no handler took
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
                 if op == "submit":  # no reply to give it to: the next request's
                     self.later = self.later or e
                 else:
@@ -104,8 +110,8 @@ class Server:
     def reply_error(self, error: BaseException, **more: Any) -> None:
         warned, self.warned = self.warned, []
         try:
-            pickle.dumps(error)
-        except Exception:  # not picklable: its text
+            pickle.loads(pickle.dumps(error))
+        except Exception:  # it would not cross as it is: its text
             error = RuntimeError(f"{type(error).__name__}: {error}")
         self.channel.send({"error": error, "warnings": warned, **more})
 
@@ -117,6 +123,8 @@ class Server:
         optimizer = m["optimizer"]
         if optimizer is None:  # frozen: the rows the training process's handle reads
             table = Table._reader(m["path"], m["root"])
+        elif m["lock_fd"] is not None:  # the training process's Table lends its lock
+            table = Table(m["path"], "r+", _lock=WriterLock.borrowed(m["path"], m["lock_fd"]))
         else:
             table = Table.open(m["path"], "r+")
         try:
@@ -141,6 +149,7 @@ class Server:
     def do_ring(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         ring = BatchRing.__new__(BatchRing)
         block = SharedBlock.adopt(m["layout"], fds[0])
+        fds.clear()  # the block has it now
         ring.__setstate__(
             {"depth": m["depth"], "rows_per_slot": m["rows_per_slot"], "block": block}
         )
@@ -230,7 +239,12 @@ class Server:
             self.reply_error(e, closed=self.owner.closed)
             return
         self.done = True
-        self.reply(self.owner.stats())  # the pipe's stats() after close
+        later, self.later = self.later, None  # an error after a reply: said after the commit
+        if later is not None and m["raise_errors"]:
+            self.owner.correct(later)
+            self.reply_error(later, closed=True)
+        else:
+            self.reply(self.owner.stats())  # the pipe's stats() after close
 
 
 def watch_parent(parent: int) -> None:
@@ -247,6 +261,7 @@ def watch_parent(parent: int) -> None:
 
 def main(argv: list[str]) -> int:
     fd, parent = int(argv[0]), int(argv[1])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the training process's to take
     watch_parent(parent)
     torch.set_num_threads(1)  # the training process's cores are its own
     server = Server(Channel(socket.socket(fileno=fd)))

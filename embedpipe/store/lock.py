@@ -53,13 +53,28 @@ class WriterLock:
             ) from None
         _held.add(self)
 
+    @classmethod
+    def borrowed(cls, folder: str, fd: int) -> WriterLock:
+        """The lock another process holds and lent this one, as ``fd``: a descriptor of the same
+        open file, which the ``flock`` belongs to. Releasing it only closes ``fd``: the lender
+        holds the lock still (an owner process's lock, lent by the training process's ``Table``
+        so that no other writer can take the table between the two)."""
+        lock = cls.__new__(cls)
+        lock.folder, lock.fd, lock.lent = folder, fd, True
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by this open file already: a no-op
+        _held.add(lock)
+        return lock
+
     def held(self) -> bool:
         """Whether this process holds the lock (a forked child's copy does not)."""
         return self.fd >= 0
 
+    lent = False  # borrowed from another process: releasing leaves its lock alone
+
     def release(self) -> None:
         if self.fd >= 0:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            if not self.lent:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = -1
         _held.discard(self)

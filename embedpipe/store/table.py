@@ -62,9 +62,15 @@ class Table:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], mode: str = "r", *, step: int | None = None
+        self,
+        path: str | os.PathLike[str],
+        mode: str = "r",
+        *,
+        step: int | None = None,
+        _lock: WriterLock | None = None,
     ) -> None:
-        """Open the table at ``path``; prefer :meth:`open`, which documents the arguments."""
+        """Open the table at ``path``; prefer :meth:`open`, which documents the arguments
+        (``_lock``: the writer lock, lent by another process)."""
         if mode not in ("r", "r+"):
             raise ValueError(f"mode must be 'r' or 'r+', got {mode!r}")
         self.path = str(Path(path).expanduser().resolve())
@@ -80,7 +86,7 @@ class Table:
             )
         self._pin: checkpoints.Pin | None = None
         if mode == "r+":
-            self._lock = WriterLock(self.path)
+            self._lock = _lock or WriterLock(self.path)
             try:
                 root = open_to_write(self.path, meta, step)
             except BaseException:
@@ -179,25 +185,17 @@ class Table:
         return cls(path, mode, step=step)
 
     @classmethod
-    def _reader(cls, path: str, root: str) -> Table:
-        """A read-only handle on the folder ``root`` of table ``path`` (the table itself: the
-        arrays being written, which a pipe's DataLoader workers read; or a checkpoint)."""
+    def _reader(cls, path: str, root: str, mode: str = "r") -> Table:
+        """A handle without the lock on the folder ``root`` of table ``path``: the live arrays
+        (which a pipe's DataLoader workers read) or a checkpoint; ``mode="r+"``: the live arrays
+        of a table whose lock rank 0 of a sharded pipe holds, for a rank to write its shard's
+        chunks (``shards.py``), never to commit."""
         table = cls.__new__(cls)
-        table.path, table.mode = path, "r"
+        table.path, table.mode = path, mode
         table._lock, table._owner, table._modified, table._pin = None, None, False, None
         if root != path:
             table._pin = checkpoints.Pin(root)
         table._open_root(root)
-        return table
-
-    @classmethod
-    def _shard_writer(cls, path: str) -> Table:
-        """A handle that writes the live arrays of a table whose writer lock rank 0 of a sharded
-        pipe holds (``shards.py``): it writes the chunks of its own shard and never commits."""
-        table = cls.__new__(cls)
-        table.path, table.mode = path, "r+"
-        table._lock, table._owner, table._modified, table._pin = None, None, False, None
-        table._open_root(path)
         return table
 
     @contextmanager

@@ -86,8 +86,8 @@ def test_checkpoints_snapshots_and_reads_go_through_the_owner_process(tmp_path, 
                     saved = table.read(np.arange(1000))  # the rows as of step 4, through a flush
             with pytest.raises(TableExistsError):  # raised in the owner process, raised here
                 pipe.save_checkpoint(tmp_path / "at-4")
-            with pytest.raises(TableLockedError, match=f"pid {pipe._owner.process.pid}"):
-                embedpipe.Table.open(path, "r+")  # the owner process holds the writer lock
+            with pytest.raises(TableLockedError, match=f"pid {os.getpid()}"):
+                embedpipe.Table.open(path, "r+")  # lent to the owner process, held all along
             pipe.load_checkpoint(tmp_path / "at-4")
             assert np.array_equal(table.read(np.arange(1000)), saved)
         assert pipe.stats()["steps"] == 8 - 4  # counted since the pipe opened, after the load
@@ -110,25 +110,45 @@ def test_errors_of_the_step_are_raised_in_the_training_process(tmp_path, data):
     assert embedpipe.Table.open(tmp_path / "t.zarr").step == 0
 
 
-def test_a_dead_owner_process_is_raised_within_seconds_naming_the_checkpoint(tmp_path, data):
-    embedpipe.Table.create(tmp_path / "t.zarr", 1000, 8).close()
+@pytest.mark.parametrize("handle", ["path", "table"])
+def test_a_dead_owner_process_is_raised_within_seconds_naming_the_checkpoint(
+    tmp_path, data, handle
+):
+    """SIGKILL of the owner process: the next call raises, naming it and the checkpoint; a
+    Ctrl-C (SIGINT to it, or to the terminal's process group) does not stop it. A Table the
+    program lent its lock is taken back to the checkpoint, not left with the dead owner's
+    rows."""
+    path = tmp_path / "t.zarr"
+    embedpipe.Table.create(path, 1000, 8).close()
+    table = embedpipe.Table.open(path, "r+") if handle == "table" else path
     pipe = EmbeddingPipe(
-        tmp_path / "t.zarr", cache_rows=30, optimizer=embedpipe.optim.SGD(lr=0.1), owner="process"
+        table, cache_rows=30, optimizer=embedpipe.optim.SGD(lr=0.1), owner="process"
     )
+    owner = pipe._owner.process.pid
+    assert os.getpgid(owner) != os.getpgrp()  # not in the terminal's process group
     loader = pipe.loader(data, batch_size=8, num_workers=2)
-    began = None
+    began, at_2 = None, None
     with pytest.raises(OwnerDiedError, match=r"killed by SIGKILL.*step 2") as raised:
         for n, batch in enumerate(loader):
             batch["inputs_embeds"].sum().backward()
             pipe.step()
+            if n == 0:
+                os.kill(owner, signal.SIGINT)  # ignored: the training process takes Ctrl-C
             if n == 1:
                 pipe.checkpoint()
-                os.kill(pipe._owner.process.pid, signal.SIGKILL)
+                at_2 = embedpipe.Table.open(path).read(np.arange(1000))
+            if n == 4:
+                pipe.flush()  # steps 3-5 in the live arrays, not committed
+                os.kill(owner, signal.SIGKILL)
                 began = time.monotonic()
     assert time.monotonic() - began < 10
-    assert str(pipe._owner.process.pid) in str(raised.value)
+    assert str(owner) in str(raised.value)
     pipe.close()  # closed already: nothing to do, nothing raised
-    assert embedpipe.Table.open(tmp_path / "t.zarr", "r+").step == 2  # and the lock is free
+    if handle == "table":
+        assert table.step == 2 and np.array_equal(table.read(np.arange(1000)), at_2)
+        table.close()
+    reopened = embedpipe.Table.open(path, "r+")  # and the lock is free
+    assert reopened.step == 2 and np.array_equal(reopened.read(np.arange(1000)), at_2)
 
 
 @pytest.mark.slow
