@@ -92,7 +92,9 @@ class Channel:
         the stream whole; one after it leaves the channel :attr:`broken`."""
         self._check()
         if waiting is not None:
-            while not select.select([self.sock], [], [], POLL_SECONDS)[0]:
+            poller = select.poll()  # not select.select: no limit on the descriptor's number
+            poller.register(self.sock, select.POLLIN)
+            while not poller.poll(POLL_SECONDS * 1000):
                 waiting()
         prefix, fds = self._prefix()
         self.broken = "interrupted while it received a message"  # until the message is in
