@@ -40,7 +40,7 @@ def data():
     ("optimizer", "workers", "cache_rows"),
     [
         ("adagrad", 2, 50),
-        ("sgd", 0, 50),
+        slow("sgd", 0, 50),
         slow("adagrad", 0, 1000),
         slow("sgd", 2, 0),
         slow("adam", 2, 50),
@@ -96,6 +96,7 @@ def test_checkpoints_snapshots_and_reads_go_through_the_owner_process(tmp_path, 
     assert embedpipe.Table.open(path).metadata["note"] == "mine again"
 
 
+@pytest.mark.slow
 def test_errors_of_the_step_are_raised_in_the_training_process(tmp_path, data):
     embedpipe.Table.create(tmp_path / "t.zarr", 1000, 8).close()
     with EmbeddingPipe(
@@ -110,7 +111,7 @@ def test_errors_of_the_step_are_raised_in_the_training_process(tmp_path, data):
     assert embedpipe.Table.open(tmp_path / "t.zarr").step == 0
 
 
-@pytest.mark.parametrize("handle", ["path", "table"])
+@pytest.mark.parametrize("handle", [slow("path"), "table"])
 def test_a_dead_owner_process_is_raised_within_seconds_naming_the_checkpoint(
     tmp_path, data, handle
 ):
