@@ -98,8 +98,4 @@ class SharedBlock:
 
 
 def _rebuild(layout: dict[str, tuple[tuple[int, ...], np.dtype]], dup: Any) -> SharedBlock:
-    block = SharedBlock.__new__(SharedBlock)
-    block.layout = layout
-    block.fd = dup.detach()
-    block._map()
-    return block
+    return SharedBlock.adopt(layout, dup.detach())

@@ -233,13 +233,19 @@ class Owner:
         self.check_open()
         edited = as_ids(ids.detach().cpu(), self.table.num_rows, what="edited batch ids")
         unique_ids, inverse = unique_inverse(edited, self.table.num_rows)
+        rows, step, tick = self.current_rows(unique_ids)
+        batch._relooked(unique_ids, inverse, rows, step, tick, self.generation)
+
+    def current_rows(self, unique_ids: np.ndarray) -> tuple[np.ndarray, int, int]:
+        """The newest rows of ``unique_ids`` (ids edited in place), under a hand-off's waits,
+        with their step and clock tick."""
         self._wait_for_steps()
         step = self.applied_step
         with self.lock:
             rows = self.cache.current(unique_ids)
             tick = self.cache.clock
         self.counts["relookups"] += 1
-        batch._relooked(unique_ids, inverse, rows, step, tick, self.generation)
+        return rows, step, tick
 
     def _read_deferred(self, ids: np.ndarray, rows: np.ndarray, deferred: np.ndarray) -> None:
         """The misses a worker left to the owner (NOTE [ Misses read by the owner ] in
@@ -265,21 +271,22 @@ class Owner:
         ):
             return
         self.check_open()
+        stale, fresh, step, tick = self.changed_rows(batch._unique_ids.numpy(), batch.tick)
+        batch._refreshed(
+            torch.from_numpy(stale), torch.from_numpy(fresh), step, tick, self.generation
+        )
+
+    def changed_rows(self, ids: np.ndarray, since: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Which of ``ids`` steps changed after clock tick ``since`` (waiting for the steps
+        submitted, as a hand-off does), their newest rows, and the step and tick they are at."""
         self._wait_for_steps()
         step = self.applied_step
-        ids = batch._unique_ids.numpy()
         with self.lock:
-            stale = np.flatnonzero(self.cache.last_updated[ids] > batch.tick)
-            fresh = self.cache.current(ids[stale]) if len(stale) else None
+            stale = np.flatnonzero(self.cache.last_updated[ids] > since)
+            fresh = self.cache.current(ids[stale])
             tick = self.cache.clock
         self.counts["refreshed"] += len(stale)
-        batch._refreshed(
-            torch.from_numpy(stale),
-            torch.from_numpy(fresh) if fresh is not None else torch.empty(0),
-            step,
-            tick,
-            self.generation,
-        )
+        return stale, fresh, step, tick
 
     def start_stream(
         self, dataset: Any, ids_key: str, order: Ahead, source: Any, defer: SharedBlock | None

@@ -189,26 +189,12 @@ class Server:
             self.later = e  # the admission after the reply failed: say it at the next request
 
     def do_refresh(self, m: dict[str, Any], arrays: list, fds: list) -> None:
-        owner = self.owner
-        owner._wait_for_steps()
-        step = owner.applied_step
-        ids = arrays[0]
-        with owner.lock:
-            stale = np.flatnonzero(owner.cache.last_updated[ids] > m["tick"])
-            fresh = owner.cache.current(ids[stale])
-            tick = owner.cache.clock
-        owner.counts["refreshed"] += len(stale)
-        self.reply(step, tick, owner.generation, arrays=(stale, fresh))
+        stale, fresh, step, tick = self.owner.changed_rows(arrays[0], m["tick"])
+        self.reply(step, tick, self.owner.generation, arrays=(stale, fresh))
 
     def do_relookup(self, m: dict[str, Any], arrays: list, fds: list) -> None:
-        owner = self.owner
-        owner._wait_for_steps()
-        step = owner.applied_step
-        with owner.lock:
-            rows = owner.cache.current(arrays[0])
-            tick = owner.cache.clock
-        owner.counts["relookups"] += 1
-        self.reply(step, tick, owner.generation, arrays=(rows,))
+        rows, step, tick = self.owner.current_rows(arrays[0])
+        self.reply(step, tick, self.owner.generation, arrays=(rows,))
 
     def do_submit(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         ids, grad = arrays
