@@ -89,11 +89,17 @@ def reference(dataset, weight: torch.Tensor, num_workers: int, **loader_options)
     return embedding.weight.detach(), batches, draws
 
 
-def offloaded(dataset, path, weight, num_workers, cache_rows, policy, **loader_options):
+def offloaded(
+    dataset, path, weight, num_workers, cache_rows, policy, owner="thread", **loader_options
+):
     """The same loop through an EmbeddingPipe, the table stepped by a torch optimizer."""
     embedpipe.Table.from_tensor(path, weight, chunk_rows=32).close()
     with embedpipe.EmbeddingPipe(
-        path, cache_rows=cache_rows, policy=policy, optimizer=embedpipe.optim.Adagrad(lr=0.3)
+        path,
+        cache_rows=cache_rows,
+        policy=policy,
+        optimizer=embedpipe.optim.Adagrad(lr=0.3),
+        owner=owner,
     ) as pipe:
         optimizer = torch.optim.Adagrad([pipe.parameter], lr=0.3)
 
@@ -147,6 +153,27 @@ def test_random_samples_train_as_nn_embedding_with_every_policy(
         num_workers,
         int(V * cache),
         policy,
+        shuffle=True,
+    )
+    same_runs(got, expected)
+    assert torch.equal(got[0], expected[0])
+
+
+@pytest.mark.parametrize(("cache", "num_workers"), [(0.05, 2), slow(0.05, 0), slow(1.0, 2)])
+def test_random_samples_train_as_nn_embedding_with_an_owner_process(
+    tmp_path, weight, references, cache, num_workers
+):
+    """The same with the owner in a process of its own: the workers still call the dataset,
+    and the owner process draws from no generator of the program's."""
+    expected = references[num_workers]
+    got = offloaded(
+        NoisyTokens(),
+        tmp_path / "t.zarr",
+        weight,
+        num_workers,
+        int(V * cache),
+        "auto",
+        owner="process",
         shuffle=True,
     )
     same_runs(got, expected)

@@ -167,7 +167,7 @@ def test_an_optimizer_built_before_offload_raises_at_its_step(tmp_path):
             stale.step()
 
 
-def two_tables(tmp_path, order: str, step_b: bool):
+def two_tables(tmp_path, order: str, step_b: bool, owner: str = "thread"):
     """Two tables, each in its own torch Adagrad, one loss: a pipe each, against two
     nn.Embedding. ``order``: which optimizer steps first; ``step_b``: B's optimizer steps (else
     B is a frozen stage whose optimizer never steps)."""
@@ -193,6 +193,7 @@ def two_tables(tmp_path, order: str, step_b: bool):
             embedpipe.Table.from_tensor(tmp_path / f"{n}.zarr", w, chunk_rows=16),
             cache_rows=20,
             optimizer=embedpipe.optim.Adagrad(**ADAGRAD),
+            owner=owner,
         )
         for n, w in zip("ab", weights)
     ]
@@ -211,15 +212,18 @@ def b_embeds(pipe, batch) -> torch.Tensor:
     return next(iter(pipe.loader(one, batch_size=len(one))))["inputs_embeds"]
 
 
-@pytest.mark.parametrize("order", ["a first", "b first"])
-def test_two_tables_in_two_optimizers_each_step_with_their_own(tmp_path, order):
-    got, expected, _ = two_tables(tmp_path, order, step_b=True)
+@pytest.mark.parametrize(
+    ("order", "owner"), [("a first", "thread"), ("b first", "thread"), ("b first", "process")]
+)
+def test_two_tables_in_two_optimizers_each_step_with_their_own(tmp_path, order, owner):
+    got, expected, _ = two_tables(tmp_path, order, step_b=True, owner=owner)
     for g, e in zip(got, expected):
         assert torch.equal(g, e)
 
 
-def test_a_table_whose_optimizer_never_steps_stays_as_it_was(tmp_path):
-    got, expected, before = two_tables(tmp_path, "a first", step_b=False)  # B: zero_grad only
+@pytest.mark.parametrize("owner", ["thread", "process"])
+def test_a_table_whose_optimizer_never_steps_stays_as_it_was(tmp_path, owner):
+    got, expected, before = two_tables(tmp_path, "a first", step_b=False, owner=owner)
     assert torch.equal(got[0], expected[0])
     assert torch.equal(got[1], before[1])
 
