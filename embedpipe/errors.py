@@ -99,6 +99,10 @@ class OwnerDiedError(EmbedpipeError, RuntimeError):
     """The owner process of a pipe's table died; the table reopens at its last checkpoint."""
 
 
+class ServiceNotFoundError(EmbedpipeError, ConnectionError):
+    """No table service (``embedpipe serve``) listens at the address a pipe was given."""
+
+
 class DistributedNotSupportedError(EmbedpipeError, RuntimeError):
     """Something a pipe sharded over the ranks of a process group cannot do exactly."""
 

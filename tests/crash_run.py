@@ -88,11 +88,13 @@ def _die_at(name: str, count: int) -> None:
     setattr(os, name, dying)
 
 
-def train(path: str, every: int, resume: bool, die_at: str | None) -> None:
+def train(path: str, every: int, resume: bool, die_at: str | None, owner: str) -> None:
     import embedpipe
 
     folder = os.path.dirname(path)
-    table = embedpipe.Table.open(path, "r+")  # takes the table back to its latest checkpoint
+    # "r+" takes the table back to its latest checkpoint; a service (owner "unix:...") holds
+    # the lock, and this process reads the latest checkpoint
+    table = embedpipe.Table.open(path, "r" if owner.startswith("unix:") else "r+")
     start = table.step
     dense = torch.nn.Parameter(
         torch.load(os.path.join(folder, f"dense-{start}.pt")) if resume else initial_dense()
@@ -104,7 +106,9 @@ def train(path: str, every: int, resume: bool, die_at: str | None) -> None:
         _die_at(name, int(count))
     print("started", start, flush=True)
     optimizer = embedpipe.optim.Adagrad(lr=LR_TABLE)
-    with embedpipe.EmbeddingPipe(table, cache_rows=V // 20, optimizer=optimizer, keep=2) as pipe:
+    with embedpipe.EmbeddingPipe(
+        table, cache_rows=V // 20, optimizer=optimizer, keep=2, owner=owner
+    ) as pipe:
         step = start
         for epoch in range(start // STEPS_PER_EPOCH, EPOCHS):
             skip = (
@@ -141,5 +145,6 @@ if __name__ == "__main__":
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--die-at")
+    parser.add_argument("--owner", default="thread")
     args = parser.parse_args()
-    sys.exit(train(args.path, args.every, args.resume, args.die_at))
+    sys.exit(train(args.path, args.every, args.resume, args.die_at, args.owner))

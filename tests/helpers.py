@@ -107,16 +107,18 @@ def train_offloaded(
     cache_rows: int = 50,
     num_workers: int = 0,
     accumulate: int = 1,
+    make_table: bool = True,
     **options,
 ):
     """The same training with the table in ``path`` behind an EmbeddingPipe. The table steps
     by ``pipe.step()`` when the dense optimizer does (every ``accumulate`` batches).
 
     ``options`` go to the loader (DataLoader keywords) or the pipe (``consistency``...).
+    ``make_table=False``: the table is there already (``initial_table``).
     """
     model = tiny_model()
-    weight = model.bert.embeddings.word_embeddings.weight.detach().clone()
-    embedpipe.Table.from_tensor(path, weight, chunk_rows=64).close()
+    if make_table:
+        initial_table(path)
     pipe_keys = {
         "consistency",
         "max_staleness",
@@ -145,6 +147,12 @@ def train_offloaded(
     stats = pipe.stats()  # after close: every step applied
     table = embedpipe.Table.open(path)
     return table.to_tensor(), model, stats, table
+
+
+def initial_table(path) -> None:
+    """The table the tiny model starts from, at ``path``."""
+    weight = tiny_model().bert.embeddings.word_embeddings.weight.detach().clone()
+    embedpipe.Table.from_tensor(path, weight, chunk_rows=64).close()
 
 
 def adagrad_reference(weight: np.ndarray, batches: list[torch.Tensor], steps: int, lr: float = 0.5):

@@ -83,6 +83,7 @@ class Writeback:
         self._idle_polls = 0  # times the thread found the queue empty for IDLE_SECONDS
         self._error: tuple[int, BaseException] | None = None
         self._warned_idle = False  # a failed idle write warned (once: it is retried anyway)
+        self._dropping = False  # abandon(): what is queued is dropped, not applied
         self._thread = threading.Thread(target=self._run, name="embedpipe-writeback", daemon=True)
         self._thread.start()
 
@@ -166,6 +167,15 @@ class Writeback:
                     )
         self.raise_error()
 
+    def abandon(self, seconds: float) -> bool:
+        """Stop the thread without applying what is queued (its training process is gone: the
+        steps since the last checkpoint are not kept); whether it stopped within ``seconds``
+        (not: a table write hangs)."""
+        self._dropping = True
+        self._queue.put(Stop())
+        self._thread.join(seconds)
+        return not self._thread.is_alive()
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -181,7 +191,7 @@ class Writeback:
                 continue
             if isinstance(item, Stop):
                 return
-            if self._error is not None:
+            if self._error is not None or self._dropping:
                 continue  # after a failure, apply nothing more (later steps build on the lost one)
             try:
                 self._apply(item.ids, item.grad, item.step, item.lr)

@@ -27,6 +27,7 @@ from ..ranks.shard_owner import ShardOwner, open_shard
 from ..ranks.shards import DEFAULT_TIMEOUT, Shards
 from ..ranks.shards import process_group as group_of
 from ..service.client import RemoteOwner
+from ..service.serve import is_address
 from ..store.checkpoints import Checkpoint
 from ..store.table import Table
 from .placeholder import ignore_in_ddp, offloaded_embeddings
@@ -83,7 +84,9 @@ class EmbeddingPipe:
         of its files) runs: ``"thread"`` (default), threads of the training process;
         ``"process"``, a process of its own that the pipe starts and stops at ``close()``, so
         the training process keeps only the claim, ``inputs_embeds`` and the gradient
-        (``docs/service.md``: not yet with a process group, nor with lookahead).
+        (``docs/service.md``: not yet with a process group, nor with lookahead); or the address
+        of a table service that outlives the job, ``"unix:PATH"`` (``embedpipe serve TABLE``):
+        the pipe connects to it, and ``close()`` leaves it running for the next job.
     """
 
     def __init__(
@@ -105,17 +108,20 @@ class EmbeddingPipe:
         owner: str = "thread",
     ) -> None:
         _check_options(cache_rows, consistency, max_staleness, grad_accumulation, keep, lookahead)
-        if owner not in OWNERS:
-            raise ValueError(f"owner must be one of {OWNERS}, got {owner!r}")
+        if owner not in OWNERS and not is_address(owner):
+            raise ValueError(
+                f"owner must be one of {OWNERS} or a service's address 'unix:PATH', got {owner!r}"
+            )
+        served = is_address(owner)
         shards = None
         if optimizer is not None:
             group = group_of(process_group)
             if group is None:
                 _check_one_process()
             else:
-                if owner == "process":
+                if owner != "thread":
                     raise DistributedNotSupportedError(
-                        "owner='process' does not serve the ranks of a process group yet: "
+                        f"owner={owner!r} does not serve the ranks of a process group yet: "
                         "leave owner='thread' (each rank then owns a shard of the table)"
                     )
                 shards = Shards(group, timeout)
@@ -128,9 +134,9 @@ class EmbeddingPipe:
             )
         else:
             owns_table = not isinstance(table, Table)
-            if owns_table:
-                table = Table.open(table, "r+" if optimizer is not None else "r")
-            elif optimizer is not None and table.mode != "r+":
+            if owns_table:  # a service holds the lock: this process only reads
+                table = Table.open(table, "r+" if optimizer is not None and not served else "r")
+            elif optimizer is not None and table.mode != "r+" and not served:
                 raise ValueError(
                     f"the pipe updates {table.path}: open it with Table.open(path, mode='r+')"
                 )
@@ -139,7 +145,7 @@ class EmbeddingPipe:
                 padding_idx = table.metadata.get("padding_idx")
             if padding_idx is not None and not 0 <= padding_idx < table.num_rows:
                 raise ValueError(f"padding_idx must be in [0, {table.num_rows}), got {padding_idx}")
-            remote = owner == "process"
+            remote = owner != "thread"
             if optimizer is not None and shards is None:
                 table._claim(_describe_creator(), elsewhere=remote)
             try:
@@ -178,6 +184,7 @@ class EmbeddingPipe:
                         description=table._owner or _describe_creator(),
                         parameter=parameter,
                         owns_table=owns_table,
+                        address=owner if served else None,
                     )
                 else:
                     make = Owner if shards is None else partial(ShardOwner, shards)

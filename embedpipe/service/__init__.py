@@ -4,10 +4,13 @@
 - ``server.py``: the owner process (``python -m embedpipe.service.server``), serving one
   training process;
 - ``client.py``: :class:`RemoteOwner`, the training process's side, which the pipe uses in the
-  place of an in-process owner (``EmbeddingPipe(..., owner="process")``).
+  place of an in-process owner (``EmbeddingPipe(..., owner="process")``);
+- ``serve.py``: :class:`Service`, an owner that outlives the jobs it serves
+  (``embedpipe serve TABLE``, ``EmbeddingPipe(..., owner="unix:PATH")``).
 """
 
 from .channel import Channel, ChannelClosed
 from .client import RemoteOwner
+from .serve import Service, default_address
 
-__all__ = ["Channel", "ChannelClosed", "RemoteOwner"]
+__all__ = ["Channel", "ChannelClosed", "RemoteOwner", "Service", "default_address"]

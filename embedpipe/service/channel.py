@@ -54,6 +54,17 @@ class Channel:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         return cls(mine), theirs
 
+    @classmethod
+    def connect(cls, path: str) -> Channel:
+        """A channel to the service listening at the socket file ``path``."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock)
+
     def fileno(self) -> int:
         return self.sock.fileno()
 

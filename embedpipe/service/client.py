@@ -43,7 +43,7 @@ import torch
 from ..cache.ring import BatchRing
 from ..cache.rowcache import SharedRows
 from ..cache.shm import SharedBlock
-from ..errors import OwnerDiedError
+from ..errors import OwnerDiedError, ServiceNotFoundError
 from ..ids import as_ids, unique_inverse
 from ..optim import RowOptimizer
 from ..owner import durability
@@ -56,6 +56,7 @@ from ..worker.batch import EmbeddedBatch
 from ..worker.looked_up import LookedUp
 from ..worker.orphans import exit_reason
 from .channel import Channel, ChannelClosed
+from .serve import socket_path
 
 #: How long ``close()`` waits for the owner process to exit once it has committed.
 EXIT_SECONDS = 30.0
@@ -94,8 +95,10 @@ class RemoteOwner:
         description: str,
         parameter: torch.nn.Parameter | None = None,
         owns_table: bool = False,
+        address: str | None = None,
     ) -> None:
         take_options(self, table, optimizer, options, owns_table)
+        self.address = address  # of a service (``embedpipe serve``); None: a process of our own
         self._claimed = False  # a batch was claimed
         self._owed = 0  # replies the owner process owes to requests a signal interrupted
         self._last_stats: dict[str, int] | None = None  # as the owner closed
@@ -109,22 +112,14 @@ class RemoteOwner:
         self._lent = optimizer is not None and table._lock is not None
         if self._lent and table._modified:  # the owner opens the last checkpoint: commit them
             table._commit(table.step)
-        self.channel, theirs = Channel.pair()
-        _channels.add(self.channel)
         lock_fd = table._lock.fd if self._lent else None
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-P", "-m", "embedpipe.service.server", str(theirs.fileno()),
-                 str(os.getpid())],
-                pass_fds=(theirs.fileno(),) + ((lock_fd,) if self._lent else ()),
-                env=_environment(),
-                start_new_session=True,  # a Ctrl-C in the terminal is the training process's
-            )  # fmt: skip
-        except BaseException:
-            self.channel.close()
-            raise
-        finally:
-            theirs.close()
+        self.process: subprocess.Popen | None = None
+        self.owner_pid: int | None = None  # said by the owner when it has opened the table
+        if address is None:
+            self.process, self.channel = _start_owner(lock_fd)
+        else:
+            self.channel = _connect(address, table.path)
+        _channels.add(self.channel)
         try:
             (applied, self.owner_pid, layout), _, fds = self._request(
                 {
@@ -148,7 +143,7 @@ class RemoteOwner:
             raise
         self.submitted = self.start_step = applied
         if optimizer is not None:
-            table._follow_live()  # reads see the owner's steps (after a flush): the live arrays
+            table._reopen(live=True)  # reads see the owner's steps (after a flush): the live arrays
         self.gradient = (
             TableGradient(table.dim, optimizer.lr, self.check_step, self.submit, parameter)
             if optimizer is not None
@@ -308,7 +303,7 @@ class RemoteOwner:
     def _committed(self, checkpoint: Any) -> Any:
         """The owner process committed: this process's handle reads the table's metadata again
         (its ``step``), as the owner's own handle does."""
-        self.table._follow_live()
+        self.table._reopen(live=True)
         return checkpoint
 
     def _call(self, name: str, *args: Any) -> Any:
@@ -375,11 +370,16 @@ class RemoteOwner:
         """The owner process is gone: the error that says so, and where the table reopens."""
         self.closed = True
         broken = self.channel.broken
-        deadline = time.monotonic() + (0.0 if broken else 5.0)
-        while self.process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        code = self.process.poll()
-        how = "still running" if code is None else exit_reason(code)
+        if self.process is None:  # a service: its connection ended
+            who = f"the table service at {self.address} (pid {self.owner_pid})"
+            how = "stopped, or its connection ended"
+        else:
+            who = f"the owner process of table {self.table.path} (pid {self.process.pid})"
+            deadline = time.monotonic() + (0.0 if broken else 5.0)
+            while self.process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            code = self.process.poll()
+            how = "still running" if code is None else exit_reason(code)
         if broken is not None:  # out of step: nothing it says can be trusted now
             how = f"stopped: the connection to it was {broken} (a signal? Ctrl-C?)"
         try:
@@ -389,22 +389,23 @@ class RemoteOwner:
         self._stop()
         self._take_table_back(died=True)
         return OwnerDiedError(
-            f"the owner process of table {self.table.path} (pid {self.process.pid}) is gone "
-            f"({how}); the table reopens at its last checkpoint, step {step}: make a new pipe "
-            "to go on from there (steps since are lost)"
+            f"{who} is gone ({how}); the table reopens at its last checkpoint, step {step}: "
+            "make a new pipe to go on from there (steps since are lost)"
         )
 
     def _finish(self) -> None:
         self.closed = True
-        try:
-            self.process.wait(EXIT_SECONDS)
-        except subprocess.TimeoutExpired:
-            self._stop()
+        if self.process is not None:
+            try:
+                self.process.wait(EXIT_SECONDS)
+            except subprocess.TimeoutExpired:
+                self._stop()
         self.channel.close()
         self._take_table_back(died=False)
 
     def _stop(self) -> None:
-        if self.process.poll() is None:
+        """End the connection; an owner process of our own, too (never a service)."""
+        if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
         self.channel.close()
@@ -412,15 +413,47 @@ class RemoteOwner:
     def _take_table_back(self, died: bool) -> None:
         """The owner process has ended: the table's handle here sees the checkpoint it committed;
         if it died, a lent lock's handle first takes the live arrays back to that checkpoint
-        (they hold what the owner wrote since)."""
+        (they hold what the owner wrote since). A service's job reads its last checkpoint: the
+        live arrays are the service's, and the next job's."""
         table = self.table
         table._release_claim()
         if self._lent and died:
             table._roll_back()
         if self.optimizer is not None:
-            table._follow_live()
+            table._reopen(live=self.address is None)
         if self.owns_table:
             table.close()
+
+
+def _start_owner(lock_fd: int | None) -> tuple[subprocess.Popen, Channel]:
+    """An owner process of this one's (``server.py``), lent the writer lock's descriptor."""
+    channel, theirs = Channel.pair()
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-P", "-m", "embedpipe.service.server", str(theirs.fileno()),
+             str(os.getpid())],
+            pass_fds=(theirs.fileno(),) + ((lock_fd,) if lock_fd is not None else ()),
+            env=_environment(),
+            start_new_session=True,  # a Ctrl-C in the terminal is the training process's
+        )  # fmt: skip
+    except BaseException:
+        channel.close()
+        raise
+    finally:
+        theirs.close()
+    return process, channel
+
+
+def _connect(address: str, table: str) -> Channel:
+    """A connection to the service at ``address`` (``embedpipe serve``)."""
+    path = socket_path(address)
+    try:
+        return Channel.connect(path)
+    except (FileNotFoundError, ConnectionRefusedError) as e:
+        raise ServiceNotFoundError(
+            f"no table service listens at {address} ({e.strerror}); start one with "
+            f"`embedpipe serve {table} --address {address}`"
+        ) from None
 
 
 @contextlib.contextmanager

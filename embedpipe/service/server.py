@@ -92,7 +92,7 @@ class Server:
                     error, self.later = self.later, None
                     raise error
                 handler(message, arrays, fds)
-            except ChannelClosed:
+            except (ChannelClosed, KeyboardInterrupt):  # gone; or a service told to stop
                 raise
             except BaseException as e:  # carried to the training process
                 for fd in fds:  # descriptors no handler took
@@ -119,23 +119,27 @@ class Server:
         self.warned.append((category.__name__, str(message)))
 
     # ----------------------------------------------------------------------------- requests
+    def open_table(self, m: dict[str, Any]) -> tuple[Table, bool]:
+        """The table the training process asked for, and whether the owner closes it."""
+        if m["optimizer"] is None:  # frozen: the rows the training process's handle reads
+            return Table._reader(m["path"], m["root"]), True
+        if m["lock_fd"] is not None:  # the training process's Table lends its lock
+            return Table(m["path"], "r+", _lock=WriterLock.borrowed(m["path"], m["lock_fd"])), True
+        return Table.open(m["path"], "r+"), True
+
     def do_open(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         optimizer = m["optimizer"]
-        if optimizer is None:  # frozen: the rows the training process's handle reads
-            table = Table._reader(m["path"], m["root"])
-        elif m["lock_fd"] is not None:  # the training process's Table lends its lock
-            table = Table(m["path"], "r+", _lock=WriterLock.borrowed(m["path"], m["lock_fd"]))
-        else:
-            table = Table.open(m["path"], "r+")
+        table, owns_table = self.open_table(m)
         try:
             if optimizer is not None:
                 table._claim(m["description"])
                 table._prepare(optimizer, m["keep"])
             policy = make_policy(m["policy"], m["cache_rows"], table.num_rows, 0)
-            self.owner = ServedOwner(table, policy, optimizer, m["options"], owns_table=True)
+            self.owner = ServedOwner(table, policy, optimizer, m["options"], owns_table=owns_table)
         except BaseException:
             table._release_claim()
-            table.close()
+            if owns_table:
+                table.close()
             raise
         if optimizer is not None:
             table._reads_after(self.owner.before_read)
@@ -231,6 +235,24 @@ class Server:
             self.reply_error(later, closed=True)
         else:
             self.reply(self.owner.stats())  # the pipe's stats() after close
+
+    def abandon(self, seconds: float = 10.0) -> bool:
+        """The training process is gone without closing: drop the steps since the last
+        checkpoint (queued or applied to the live arrays) and release the table, as a crash of
+        one process would leave it. False: a table write hangs, and only this process's exit
+        leaves the table safely (a reopen recovers the checkpoint)."""
+        owner, self.owner = self.owner, None
+        if owner is None or owner.closed:
+            return True
+        owner.closed = True
+        if owner.writeback is not None and not owner.writeback.abandon(seconds):
+            return False
+        if owner.optimizer is not None:
+            owner.table._roll_back()
+        owner.table._release_claim()
+        if owner.owns_table:
+            owner.table.close()
+        return True
 
 
 def watch_parent(parent: int) -> None:

@@ -398,12 +398,13 @@ class Table:
             self._check_writable("making another pipe on this table")
         self._owner = owner
 
-    def _follow_live(self) -> None:
-        """Read the live arrays, and the metadata as it is now (an owner process writes them)."""
+    def _reopen(self, live: bool) -> None:
+        """Read the live arrays and the metadata as they are now (an owner process writes
+        them), or (not ``live``) the latest checkpoint, as ``Table.open(path)`` does."""
         if self._pin is not None:
             self._pin.release()
-            self._pin = None
-        self._open_root(self.path)
+        root, self._pin = (self.path, None) if live else pin_checkpoint(self.path, self._meta, None)
+        self._open_root(root)
 
     def _reads_after(self, flush: Callable[[], None]) -> None:
         """The claiming pipe's ``flush``: the public reads run it first, so that they see the

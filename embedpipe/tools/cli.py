@@ -242,6 +242,12 @@ def parse_cache_size(text: str, num_rows: int) -> int:
     return min(value, num_rows)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..service import serve
+
+    return serve.main(args.table, args.address)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     try:
         from .benchmark import main as bench_main
@@ -432,6 +438,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's arguments")
     p.set_defaults(run=cmd_bench)
+
+    p = commands.add_parser(
+        "serve",
+        help="run the table's owner as a service that training jobs connect to",
+        description="Hold the table's writer lock and serve one training job at a time: a "
+        "pipe made with EmbeddingPipe(TABLE, ..., owner=ADDRESS) connects. A job that dies "
+        "leaves the table at its last checkpoint and the service running. Stop it with "
+        "Ctrl-C or SIGTERM. The first line on stdout names the address.",
+    )
+    p.add_argument("table", help="the table's folder")
+    p.add_argument(
+        "--address",
+        help="unix:PATH, the socket to listen on (default: one in the temporary folder, "
+        "named after the table)",
+    )
+    p.set_defaults(run=cmd_serve)
 
     p = commands.add_parser("demo", help="create a table in a temporary folder and describe it")
     p.add_argument(

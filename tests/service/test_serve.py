@@ -1,0 +1,248 @@
+"""A table service (``embedpipe serve TABLE``) that outlives its jobs: a pipe made with
+``owner="unix:PATH"`` trains the table nn.Embedding trains; a job that dies leaves the service
+up and the table at its last checkpoint, from which a new job resumes to the uninterrupted run's
+result; a dead service is raised; other tables and second jobs are refused; a reader in another
+process reads the last checkpoint while a job trains."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import embedpipe
+from embedpipe.errors import OwnerDiedError, ServiceNotFoundError, TableLockedError
+from embedpipe.pipe import EmbeddingPipe
+
+from .. import crash_run
+from ..helpers import initial_table, run_cli, slow, train_offloaded, train_reference, zipf_dataset
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def serving(path):
+    """``embedpipe serve path`` in a process of its own, at a short socket path; yields its
+    address and process; stops it with SIGTERM (it must exit 0)."""
+    folder = tempfile.mkdtemp(prefix="ep-")
+    address = f"unix:{folder}/s.sock"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "embedpipe.tools.cli", "serve", str(path), "--address", address],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("serving") and address in line, (line, process.stderr.read())
+        yield address, process
+        if process.poll() is None:
+            process.terminate()
+            assert process.wait(timeout=30) == 0, process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stdout.close()
+        process.stderr.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return zipf_dataset(64)
+
+
+@pytest.mark.parametrize(("optimizer", "workers"), [("adagrad", 2), slow("sgd", 0)])
+def test_a_service_trains_the_table_nn_embedding_trains_and_outlives_the_job(
+    tmp_path, data, optimizer, workers
+):
+    ref, _, ref_state = train_reference(data, optimizer, 0.5)
+    path = tmp_path / "t.zarr"
+    initial_table(path)
+    with serving(path) as (address, service):
+        got, _, stats, table = train_offloaded(
+            data, optimizer, 0.5, path, num_workers=workers, cache_rows=50, owner=address,
+            make_table=False,
+        )  # fmt: skip
+        assert torch.equal(got, ref), (got - ref).abs().max()
+        if optimizer == "adagrad":
+            assert torch.equal(
+                torch.from_numpy(table.read(np.arange(1000), "sum")), ref_state["sum"]
+            )
+        assert stats["steps"] == 8 and table.step == 8
+        assert service.poll() is None  # still serving: a second job goes on from step 8
+        with EmbeddingPipe(
+            path, cache_rows=50, optimizer=embedpipe.optim.SGD(lr=0.1), owner=address
+        ) as pipe:
+            assert pipe.table.step == 8
+            batch = next(iter(pipe.loader(data, batch_size=8)))
+            batch["inputs_embeds"].sum().backward()
+            pipe.step()
+    assert embedpipe.Table.open(path).step == 9
+    with embedpipe.Table.open(path, "r+"):  # the service released the lock when it stopped
+        pass
+
+
+def test_a_service_refuses_other_tables_second_jobs_and_writers(tmp_path, data):
+    path, other = tmp_path / "t.zarr", tmp_path / "other.zarr"
+    for p in (path, other):
+        embedpipe.Table.create(p, 1000, 8).close()
+    with serving(path) as (address, service):
+        with pytest.raises(ValueError, match=rf"serves table {path}, not {other}"):
+            EmbeddingPipe(
+                other, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=0.1), owner=address
+            )
+        with pytest.raises(TableLockedError, match=f"pid {service.pid}"):
+            embedpipe.Table.open(path, "r+")
+        with EmbeddingPipe(
+            path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=0.1), owner=address
+        ) as pipe:
+            second = subprocess.run(
+                [sys.executable, "-c",
+                 "import embedpipe, sys; embedpipe.EmbeddingPipe(sys.argv[1], cache_rows=10, "
+                 "optimizer=embedpipe.optim.SGD(lr=0.1), owner=sys.argv[2])", str(path), address],
+                capture_output=True, text=True, timeout=120, cwd=ROOT,
+            )  # fmt: skip
+            assert second.returncode != 0
+            assert f"is serving another job (pid {os.getpid()})" in second.stderr, second.stderr
+            batch = next(iter(pipe.loader(data, batch_size=8)))  # the first job is unharmed
+            batch["inputs_embeds"].sum().backward()
+            pipe.step()
+    assert embedpipe.Table.open(path).step == 1
+    with pytest.raises(ServiceNotFoundError, match="embedpipe serve"):
+        EmbeddingPipe(path, cache_rows=10, owner=address)  # stopped: nobody listens
+
+
+@pytest.mark.parametrize("how", ["kill", slow("terminate")])
+def test_a_dead_service_is_raised_within_seconds_naming_the_checkpoint(tmp_path, data, how):
+    """SIGKILL, or SIGTERM (the service drops the job, as if it died, and exits 0): the job
+    raises within seconds, and the table reopens at its last checkpoint."""
+    path = tmp_path / "t.zarr"
+    embedpipe.Table.create(path, 1000, 8).close()
+    with serving(path) as (address, service):
+        pipe = EmbeddingPipe(
+            path, cache_rows=30, optimizer=embedpipe.optim.SGD(lr=0.1), owner=address
+        )
+        began = None
+        with pytest.raises(OwnerDiedError, match=rf"service at {address}.*step 2"):
+            for n, batch in enumerate(pipe.loader(data, batch_size=8, num_workers=2)):
+                batch["inputs_embeds"].sum().backward()
+                pipe.step()
+                if n == 1:
+                    pipe.checkpoint()
+                    at_2 = embedpipe.Table.open(path).read(np.arange(1000))
+                if n == 4:
+                    pipe.flush()  # steps 3-5 in the live arrays, not committed
+                    getattr(service, how)()
+                    began = time.monotonic()
+        assert time.monotonic() - began < 10
+        assert service.wait(timeout=10) == (0 if how == "terminate" else -signal.SIGKILL)
+        assert pipe.table.step == 2 and np.array_equal(pipe.table.read(np.arange(1000)), at_2)
+    reopened = embedpipe.Table.open(path, "r+")
+    assert reopened.step == 2 and np.array_equal(reopened.read(np.arange(1000)), at_2)
+
+
+def _run_job(path, address, *args, kill_after_step=None):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.crash_run", str(path), "--owner", address, *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    lines = []
+    try:
+        for line in process.stdout:
+            lines.append(line.strip())
+            if kill_after_step is not None and line.strip() == f"step {kill_after_step}":
+                os.kill(process.pid, signal.SIGKILL)
+                break
+            if line.startswith("done"):
+                break
+        code = process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.stdout.close()
+    return code, lines
+
+
+@pytest.mark.slow
+def test_a_killed_job_leaves_the_service_up_and_a_new_job_resumes_exactly(tmp_path):
+    """kill -9 of a job between checkpoints (every 3 steps): the service stays up, the table
+    reads as nn.Embedding + Adagrad at the last checkpoint (weights and state), and a new job
+    through the same service resumes to the uninterrupted run's table and dense weights."""
+    weight = torch.from_numpy(
+        embedpipe.store.layout.normal_rows(0, 0, crash_run.V, crash_run.D, 1.0)
+    )
+    states = crash_run.reference(weight)
+    path = tmp_path / "t.zarr"
+    embedpipe.Table.from_tensor(path, weight, chunk_rows=64).close()
+    torch.save(crash_run.initial_dense(), tmp_path / "dense-0.pt")
+    ids = np.arange(crash_run.V)
+    with serving(path) as (address, service):
+        code, lines = _run_job(path, address, "--every", "3", kill_after_step=7)
+        assert code == -signal.SIGKILL, lines[-3:]
+        time.sleep(1)
+        assert service.poll() is None, "the service ended with its job"
+        reader = embedpipe.Table.open(path)
+        assert reader.step == 6
+        assert torch.equal(reader.to_tensor(), states[6][0])
+        assert torch.equal(torch.from_numpy(reader.read(ids, "sum")), states[6][1])
+        code, lines = _run_job(path, address, "--every", "3", "--resume")
+        assert code == 0 and lines[-1] == f"done {crash_run.STEPS}", lines[-3:]
+    final = embedpipe.Table.open(path)
+    assert final.step == crash_run.STEPS
+    assert torch.equal(final.to_tensor(), states[-1][0])
+    assert torch.equal(torch.from_numpy(final.read(ids, "sum")), states[-1][1])
+    dense = torch.load(tmp_path / f"dense-{crash_run.STEPS}.pt")
+    assert torch.equal(dense, states[-1][2]), "dense weights differ after resume"
+
+
+def test_a_reader_in_another_process_reads_the_last_checkpoint_while_a_job_trains(tmp_path, data):
+    path = tmp_path / "t.zarr"
+    embedpipe.Table.create(path, 1000, 8).close()
+    read = "import embedpipe, sys; t = embedpipe.Table.open(sys.argv[1]); print(t.step, t.to_tensor().sum().item())"
+    with serving(path) as (address, _):
+        with EmbeddingPipe(
+            path, cache_rows=30, optimizer=embedpipe.optim.SGD(lr=0.1), owner=address
+        ) as pipe:
+            for n, batch in enumerate(pipe.loader(data, batch_size=8)):
+                batch["inputs_embeds"].sum().backward()
+                pipe.step()
+                if n == 2:
+                    pipe.checkpoint()
+                    expected = embedpipe.Table.open(path).to_tensor().sum().item()
+                if n == 5:
+                    pipe.flush()  # steps 4-6 written to the live arrays: not for readers
+                    got = subprocess.run(
+                        [sys.executable, "-c", read, str(path)],
+                        capture_output=True, text=True, timeout=120, check=True,
+                    ).stdout.split()  # fmt: skip
+                    assert got == ["3", repr(expected)]
+
+
+def test_serve_reports_bad_input_in_one_line(tmp_path):
+    result = run_cli("serve", tmp_path / "missing.zarr")
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    embedpipe.Table.create(tmp_path / "t.zarr", 10, 4).close()
+    result = run_cli("serve", tmp_path / "t.zarr", "--address", "tcp://host:1")
+    assert result.returncode == 1 and "unix:PATH" in result.stderr, result.stderr
+    with serving(tmp_path / "t.zarr") as (address, _):
+        result = run_cli("serve", tmp_path / "t.zarr", "--address", address)
+        assert result.returncode == 1 and "already open for writing" in result.stderr
+        embedpipe.Table.create(tmp_path / "u.zarr", 10, 4).close()
+        result = run_cli("serve", tmp_path / "u.zarr", "--address", address)
+        assert result.returncode == 1 and "in use by a running service" in result.stderr
+    embedpipe.Table.open(tmp_path / "u.zarr", "r+").close()  # the refused service let it go
