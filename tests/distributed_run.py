@@ -93,6 +93,8 @@ def offloaded_model(path: str) -> torch.nn.Module:
 
 
 def make_pipe(path: str, optimizer: str, **options) -> embedpipe.EmbeddingPipe:
+    """The pipe of every run; ``PIPE_OWNER=process``: one owner process for the ranks."""
+    options.setdefault("owner", os.environ.get("PIPE_OWNER", "thread"))
     return embedpipe.EmbeddingPipe(
         path, cache_rows=300, optimizer=PIPE_OPTIMIZERS[optimizer](lr=LR[optimizer]), **options
     )

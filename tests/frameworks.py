@@ -9,6 +9,8 @@ comparison is chaotic (a one-ulp change of the clip norm moves the reference its
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -83,7 +85,10 @@ def offloaded(model: torch.nn.Module, path, cache_rows: int = 50) -> embedpipe.E
     embedpipe's Adagrad (the same settings as the reference's)."""
     table = embedpipe.hf.offload(model, path, chunk_rows=64)
     return embedpipe.EmbeddingPipe(
-        table, cache_rows=cache_rows, optimizer=embedpipe.optim.Adagrad(**ADAGRAD)
+        table,
+        cache_rows=cache_rows,
+        optimizer=embedpipe.optim.Adagrad(**ADAGRAD),
+        owner=os.environ.get("PIPE_OWNER", "thread"),  # the torchrun runs: "process" too
     )
 
 

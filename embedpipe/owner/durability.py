@@ -197,7 +197,7 @@ def finish_close(owner: Owner, error: BaseException | None, hung: bool) -> BaseE
     elif not hung:
         owner.table._roll_back()  # nothing trustworthy to commit: back to the last checkpoint
     owner.table._release_claim()
-    if hung:
+    if hung and getattr(owner, "releases_when_hung", True):  # (a service ends instead)
         owner.table._abandon()  # never commit, nor roll back, under a thread still writing
     elif owner.owns_table:
         owner.table.close()

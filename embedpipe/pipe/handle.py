@@ -27,6 +27,7 @@ from ..ranks.shard_owner import ShardOwner, open_shard
 from ..ranks.shards import DEFAULT_TIMEOUT, Shards
 from ..ranks.shards import process_group as group_of
 from ..service.client import RemoteOwner
+from ..service.rank import RankOwner, open_shared
 from ..service.serve import is_address
 from ..store.checkpoints import Checkpoint
 from ..store.table import Table
@@ -119,14 +120,19 @@ class EmbeddingPipe:
             if group is None:
                 _check_one_process()
             else:
-                if owner != "thread":
+                if served or (owner == "process" and consistency != "exact"):
                     raise DistributedNotSupportedError(
-                        f"owner={owner!r} does not serve the ranks of a process group yet: "
-                        "leave owner='thread' (each rank then owns a shard of the table)"
+                        f"owner={owner!r} does not serve the ranks of a process group "
+                        f"{'yet' if served else 'in bounded mode yet'}: use owner='process' "
+                        "(one owner process for the machine's ranks, exact mode) or "
+                        "owner='thread' (each rank owns a shard of the table)"
                     )
                 shards = Shards(group, timeout)
                 lookahead = 0  # a rank's loader reads ahead only its own rows: not yet
-        if shards is not None:
+        shared = shards is not None and owner == "process"  # one owner process for the ranks
+        if shared:
+            table, owns_table = open_shared(table, shards)
+        elif shards is not None:
             # what must be the same on every rank, or the ranks would train different tables
             same = (consistency, max_staleness, padding_idx, check_finite)
             table, owns_table = open_shard(
@@ -146,13 +152,13 @@ class EmbeddingPipe:
             if padding_idx is not None and not 0 <= padding_idx < table.num_rows:
                 raise ValueError(f"padding_idx must be in [0, {table.num_rows}), got {padding_idx}")
             remote = owner != "thread"
-            if optimizer is not None and shards is None:
+            if optimizer is not None and (shards is None or shared):
                 table._claim(_describe_creator(), elsewhere=remote)
             try:
                 if optimizer is not None and shards is None and not remote:
                     table._prepare(optimizer, keep)
                 cache_rows = min(int(cache_rows), table.num_rows)
-                if shards is not None:
+                if shards is not None and not shared:
                     lo, hi = shards.owned
                     cache_rows = min(cache_rows, hi - lo)
                 states = len(optimizer.state_init()) if optimizer is not None else 0
@@ -174,7 +180,8 @@ class EmbeddingPipe:
                 placeholders = offloaded_embeddings(table.path) if optimizer is not None else []
                 parameter = next((p.rows for p in placeholders if p.rows is not None), None)
                 if remote:  # NOTE [ The owner's process ]
-                    self._owner = RemoteOwner(
+                    make = partial(RankOwner, shards) if shared else RemoteOwner
+                    self._owner = make(
                         table,
                         policy=policy,
                         cache_rows=cache_rows,

@@ -162,3 +162,10 @@ class Channel:
             if got == 0:
                 raise ChannelClosed("the other process closed the connection mid-message")
             view = view[got:]
+
+
+def peer_of(sock: socket.socket) -> tuple[int, int]:
+    """The pid and the user of the process at the other end of ``sock`` (``SO_PEERCRED``)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    return pid, uid

@@ -55,7 +55,7 @@ from ..store.table import Table
 from ..worker.batch import EmbeddedBatch
 from ..worker.looked_up import LookedUp
 from ..worker.orphans import exit_reason
-from .channel import Channel, ChannelClosed
+from .channel import Channel, ChannelClosed, peer_of
 from .serve import socket_path
 
 #: How long ``close()`` waits for the owner process to exit once it has committed.
@@ -114,33 +114,38 @@ class RemoteOwner:
             table._commit(table.step)
         lock_fd = table._lock.fd if self._lent else None
         self.process: subprocess.Popen | None = None
+        self.channel: Channel | None = None
         self.owner_pid: int | None = None  # said by the owner when it has opened the table
-        if address is None:
-            self.process, self.channel = _start_owner(lock_fd)
-        else:
-            self.channel = _connect(address, table.path)
-        _channels.add(self.channel)
+        self.submitted = 0  # steps sent (every request says how many: ``job.py``)
+        opening = {
+            "op": "open",
+            "path": table.path,
+            "root": table.root,
+            "lock_fd": lock_fd,
+            "description": description,
+            "optimizer": optimizer,
+            "keep": keep,
+            "policy": policy,
+            "cache_rows": cache_rows,
+            "options": options,
+        }
         try:
-            (applied, self.owner_pid, layout), _, fds = self._request(
-                {
-                    "op": "open",
-                    "path": table.path,
-                    "root": table.root,
-                    "lock_fd": lock_fd,
-                    "description": description,
-                    "optimizer": optimizer,
-                    "keep": keep,
-                    "policy": policy,
-                    "cache_rows": cache_rows,
-                    "options": options,
-                }
-            )
+            (applied, self.owner_pid, layout), _, fds = self._open(opening)
             self.shared = SharedRows.__new__(SharedRows)
             self.shared.__setstate__({"block": SharedBlock.adopt(layout, fds[0])})
         except BaseException:
             self._stop()
             self._take_table_back(died=True)
             raise
+        if address is not None and optimizer is not None and applied != table.step:
+            opened = table.step
+            self._stop()
+            self._take_table_back(died=False)
+            raise ValueError(
+                f"this job opened {table.path} at step {opened}, but its service holds it "
+                f"at step {applied} (another job trained it since, or an older checkpoint was "
+                "asked for): open the table again and resume from that step"
+            )
         self.submitted = self.start_step = applied
         if optimizer is not None:
             table._reopen(live=True)  # reads see the owner's steps (after a flush): the live arrays
@@ -149,6 +154,25 @@ class RemoteOwner:
             if optimizer is not None
             else None
         )
+
+    def _open(self, opening: dict[str, Any]) -> Any:
+        """Reach the owner (start one, or connect to a service) and open the table there."""
+        if self.address is None:
+            self.process, channel = start_owner(opening["lock_fd"])
+        else:
+            channel = _connect(self.address, self.table.path)
+        self._connected(channel)
+        return self._request(opening)
+
+    def _connected(self, channel: Channel) -> None:
+        self.channel = channel
+        _channels.add(channel)  # closed in forked children
+
+    def _describe_owner(self) -> str:
+        if self.process is not None:
+            return f"the owner process of table {self.table.path} (pid {self.process.pid})"
+        pid = f" (pid {self.owner_pid})" if self.owner_pid is not None else ""
+        return f"the table service at {self.address}{pid}"
 
     # ----------------------------------------------------------------------------- the loop
     @property
@@ -228,7 +252,10 @@ class RemoteOwner:
             raise RuntimeError(
                 "this EmbeddingPipe is closed: the embedding gradient of this batch cannot be applied"
             )
-        self.gradient.add(*without_padding(unique_ids, grad, self.padding_idx))
+        self._add_gradient(*without_padding(unique_ids, grad, self.padding_idx))
+
+    def _add_gradient(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
+        self.gradient.add(unique_ids, grad)
 
     def check_step(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
         self.check_open()
@@ -322,6 +349,7 @@ class RemoteOwner:
         descriptors), raising its error. A Ctrl-C is held back while bytes cross and taken while
         the reply is awaited: then the reply is owed, and read and dropped before the next
         request, so the two processes never fall out of step."""
+        message.setdefault("after", self.submitted)
         with self._lock, _interrupts_held() as interrupted:
             if self._dropped:
                 message["drop_rings"], self._dropped = self._dropped, []
@@ -370,11 +398,10 @@ class RemoteOwner:
         """The owner process is gone: the error that says so, and where the table reopens."""
         self.closed = True
         broken = self.channel.broken
-        if self.process is None:  # a service: its connection ended
-            who = f"the table service at {self.address} (pid {self.owner_pid})"
+        who = self._describe_owner()
+        if self.process is None:  # not ours: all we know is that its connection ended
             how = "stopped, or its connection ended"
         else:
-            who = f"the owner process of table {self.table.path} (pid {self.process.pid})"
             deadline = time.monotonic() + (0.0 if broken else 5.0)
             while self.process.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -408,7 +435,8 @@ class RemoteOwner:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-        self.channel.close()
+        if self.channel is not None:
+            self.channel.close()
 
     def _take_table_back(self, died: bool) -> None:
         """The owner process has ended: the table's handle here sees the checkpoint it committed;
@@ -425,14 +453,18 @@ class RemoteOwner:
             table.close()
 
 
-def _start_owner(lock_fd: int | None) -> tuple[subprocess.Popen, Channel]:
-    """An owner process of this one's (``server.py``), lent the writer lock's descriptor."""
+def start_owner(
+    lock_fd: int | None, module: str = "server", *more: int
+) -> tuple[subprocess.Popen, Channel]:
+    """An owner process of this one's (``server.py``; ``job.py`` with a listening socket's
+    descriptor and the number of ranks as ``more``), lent the writer lock's descriptor."""
     channel, theirs = Channel.pair()
+    fds = (theirs.fileno(),) + ((lock_fd,) if lock_fd is not None else ()) + more[:1]
     try:
         process = subprocess.Popen(
-            [sys.executable, "-P", "-m", "embedpipe.service.server", str(theirs.fileno()),
-             str(os.getpid())],
-            pass_fds=(theirs.fileno(),) + ((lock_fd,) if lock_fd is not None else ()),
+            [sys.executable, "-P", "-m", f"embedpipe.service.{module}", str(theirs.fileno()),
+             str(os.getpid()), *map(str, more)],
+            pass_fds=fds,
             env=_environment(),
             start_new_session=True,  # a Ctrl-C in the terminal is the training process's
         )  # fmt: skip
@@ -448,12 +480,20 @@ def _connect(address: str, table: str) -> Channel:
     """A connection to the service at ``address`` (``embedpipe serve``)."""
     path = socket_path(address)
     try:
-        return Channel.connect(path)
+        channel = Channel.connect(path)
     except (FileNotFoundError, ConnectionRefusedError) as e:
         raise ServiceNotFoundError(
             f"no table service listens at {address} ({e.strerror}); start one with "
             f"`embedpipe serve {table} --address {address}`"
         ) from None
+    pid, uid = peer_of(channel.sock)
+    if uid != os.getuid():  # its replies are pickles: only ours may be read
+        channel.close()
+        raise PermissionError(
+            f"the process listening at {address} (pid {pid}) is another user's (uid {uid}): "
+            "embedpipe connects only to a service of this user's"
+        )
+    return channel
 
 
 @contextlib.contextmanager

@@ -27,23 +27,28 @@ service ends on SIGINT or SIGTERM: a job it serves then sees its owner gone
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import os
 import queue
 import signal
 import socket
-import struct
+import stat
+import sys
 import tempfile
 import threading
+import warnings
 from typing import Any
 
 from ..errors import TableLockedError
+from ..store import checkpoints
 from ..store.table import Table
-from .channel import Channel, ChannelClosed
+from .channel import Channel, ChannelClosed, peer_of
 from .server import Server
 
 #: The scheme of a service's address: ``unix:`` and the path of its socket.
 SCHEME = "unix:"
+_show_warning = warnings.showwarning
 #: How long a refused connection gets to send its first request.
 REFUSE_SECONDS = 10.0
 
@@ -93,6 +98,10 @@ class ServiceServer(Server):
             return Table._reader(m["path"], m["root"]), True
         return self.table, False
 
+    def do_open(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        super().do_open(m, arrays, fds)
+        self.owner.releases_when_hung = False  # a write that hangs ends the service: its lock
+
 
 class Service:
     """The owner of the table at ``path``, served at ``address`` until :meth:`stop`."""
@@ -107,7 +116,8 @@ class Service:
             self.table.close()
             raise
         self.serving: ServiceServer | None = None
-        self.busy = False  # a job is served or about to be (written by the acceptor, then main)
+        self.waiting = 0  # jobs accepted and not yet served (at most one)
+        self.state = threading.Lock()  # guards serving and waiting
         self.pending: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
         self.stopped = threading.Event()
         self._acceptor = threading.Thread(target=self._accept, name="embedpipe-accept", daemon=True)
@@ -115,37 +125,37 @@ class Service:
     def serve(self) -> None:
         """Serve jobs one after another until :meth:`stop` or a ``KeyboardInterrupt`` (the
         CLI's SIGINT and SIGTERM); then release the table. A job still served then is dropped
-        as if it died: the table stays at its last checkpoint."""
+        as if it died: the table stays at its last checkpoint. A table write that hangs ends
+        this process at once (its lock goes with it; a reopen recovers the checkpoint)."""
         self._acceptor.start()
-        hung = False
         try:
             while not self.stopped.is_set():
                 try:
                     sock = self.pending.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                hung = not self._serve_job(sock)
-                if hung:
-                    raise RuntimeError(
-                        f"a write to {self.table.path} hangs after its job ended; the service "
-                        "stops (the table reopens at its last checkpoint)"
-                    )
+                if not self._serve_job(sock):
+                    _hung(self.table.path)
+        except BaseException:
+            if self.table._lock is None or any(t.name == "embedpipe-writeback" and t.is_alive()
+                                               for t in threading.enumerate()):  # fmt: skip
+                _hung(self.table.path)
+            raise
         finally:
             self.stop()
-            if hung:  # never commit, nor roll back, under a thread still writing
-                self.table._abandon()
-            else:
-                if self.table._modified:  # a job's unfinished change: never commit it
-                    self.table._roll_back()
-                self.table._release_claim()
-                self.table.close()
+            if self.table._modified:  # a job's unfinished change: never commit it
+                self.table._roll_back()
+            self.table._release_claim()
+            self.table.close()
 
     def _serve_job(self, sock: socket.socket) -> bool:
         """Serve one job until it closes its pipe or is gone (its steps since its last
-        checkpoint are then dropped); False: they could not be (a table write hangs)."""
+        checkpoint are then dropped); False: a table write hangs."""
         server = ServiceServer(Channel(sock), self.table, self.address)
-        server.peer = _peer(sock)[0]
-        self.serving = server
+        server.peer = peer_of(sock)[0]
+        with self.state:
+            self.waiting -= 1
+            self.serving = server
         try:
             server.run()
         except BaseException as e:  # the job is gone, or the service was told to stop
@@ -155,9 +165,17 @@ class Service:
             if not isinstance(e, ChannelClosed):
                 raise
         finally:
-            self.serving = None
+            with self.state:
+                self.serving = None
             server.channel.close()
-            self.busy = False
+            warnings.showwarning = _show_warning  # let go of the job's server
+            server.rings.clear()
+        owner, server.owner = server.owner, None
+        if owner is not None and owner.writeback is not None and owner.writeback.alive:
+            return False  # its close found a write hanging
+        del owner, server
+        gc.collect()  # the job's cache and rings (an owner's threads hold cycles)
+        checkpoints.finish_deleting(self.table.path)
         return True
 
     def stop(self) -> None:
@@ -165,26 +183,29 @@ class Service:
         self.stopped.set()
         with contextlib.suppress(OSError):
             self.listener.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(os.lstat(self.socket_path).st_mode):
+                os.unlink(self.socket_path)
 
     def _accept(self) -> None:
-        """Take connections: the first job waiting is served next; while one is served (or
-        queued), the others are refused."""
+        """Take connections: a job is served next if none is served (or the one served has
+        closed its pipe, or died) and none is waiting; the others are refused."""
         while not self.stopped.is_set():
             try:
                 sock, _ = self.listener.accept()
             except OSError:
                 return  # stopped
-            if _peer(sock)[1] != os.getuid():
+            if peer_of(sock)[1] != os.getuid():
                 sock.close()  # never read a pickle from another user
                 continue
-            serving = self.serving
-            if not self.busy or (serving is not None and not _alive(serving.peer)):
-                self.busy = True  # (a job that died is being dropped: this one comes next)
-                self.pending.put(sock)
-            else:
-                threading.Thread(target=self._refuse, args=(sock,), daemon=True).start()
+            with self.state:
+                serving = self.serving
+                free = serving is None or serving.done or not _alive(serving.peer)
+                if free and self.waiting == 0:
+                    self.waiting += 1
+                    self.pending.put(sock)
+                    continue
+            threading.Thread(target=self._refuse, args=(sock,), daemon=True).start()
 
     def _refuse(self, sock: socket.socket) -> None:
         serving = self.serving
@@ -209,11 +230,29 @@ class Service:
             channel.close()
 
 
+def _hung(path: str) -> None:
+    sys.stderr.write(
+        f"embedpipe serve: a write to {path} hangs; the service ends (the table reopens at its "
+        "last checkpoint)\n"
+    )
+    os._exit(1)  # with the writing thread: never release the lock under it
+
+
 def _listen(path: str, address: str) -> socket.socket:
-    """A listening socket at ``path``, reachable by this user only; a socket file left by a
-    service that died is replaced, a live service's is not."""
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    if os.path.exists(path):
+    """A listening socket at ``path``, reachable by this user only, in a folder no other user
+    can replace it in; a socket file left by a service that died is replaced, a live
+    service's is not, and nothing that is not a socket is touched."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or (st.st_uid != os.getuid() and not st.st_mode & stat.S_ISVTX):
+        raise OSError(
+            f"the folder of {address} is not a folder of this user's (owner uid {st.st_uid}): "
+            "another user could replace the socket there; choose another --address"
+        )
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise OSError(f"{path} exists and is not a socket; choose another --address")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(path)
@@ -246,21 +285,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _peer(sock: socket.socket) -> tuple[int, int]:
-    """The pid and the user of the process at the other end of ``sock``."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _ = struct.unpack("3i", creds)
-    return pid, uid
-
-
 def main(path: str, address: str | None = None, *, say=print) -> int:
     """Run a service until SIGINT or SIGTERM (``embedpipe serve``)."""
     service = Service(path, address)
 
     def stop(signum: int, frame: Any) -> None:
+        service.stopped.set()  # the loop ends even where the raise is swallowed (a finalizer)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     say(f"serving {service.table.path} at {service.address} (pid {os.getpid()})", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         service.serve()

@@ -85,13 +85,12 @@ class Server:
             message, arrays, fds = self.channel.receive()
             for ring in message.pop("drop_rings", ()):
                 self.rings.pop(ring, None)
-            op = message.pop("op")
-            handler = getattr(self, f"do_{op}")
+            op = message.pop("op", None)
             try:
                 if self.later is not None and op not in ("submit", "close"):
                     error, self.later = self.later, None
                     raise error
-                handler(message, arrays, fds)
+                self.handle(op, message, arrays, fds)
             except (ChannelClosed, KeyboardInterrupt):  # gone; or a service told to stop
                 raise
             except BaseException as e:  # carried to the training process
@@ -102,6 +101,9 @@ class Server:
                     self.later = self.later or e
                 else:
                     self.reply_error(e)
+
+    def handle(self, op: str, message: dict[str, Any], arrays: list, fds: list) -> None:
+        getattr(self, f"do_{op}")(message, arrays, fds)
 
     def reply(self, *values: Any, arrays: tuple[np.ndarray, ...] = ()) -> None:
         warned, self.warned = self.warned, []
@@ -143,6 +145,10 @@ class Server:
             raise
         if optimizer is not None:
             table._reads_after(self.owner.before_read)
+        self.reply_opened()
+
+    def reply_opened(self) -> None:
+        """The owner's step, this process's pid, and the cache's block (its descriptor)."""
         block = self.owner.shared.block
         layout = {name: (shape, dtype.str) for name, (shape, dtype) in block.layout.items()}
         self.channel.send(
@@ -188,7 +194,7 @@ class Server:
         try:
             owner.final_rows(item, rows, deliver)
         except BaseException as e:
-            if not answered:
+            if not answered or not isinstance(e, Exception):  # a service told to stop: now
                 raise
             self.later = e  # the admission after the reply failed: say it at the next request
 
@@ -225,6 +231,8 @@ class Server:
         try:
             self.owner.close(m["raise_errors"])
         except BaseException as e:
+            if not isinstance(e, Exception):  # a service told to stop
+                raise
             self.done = self.owner.closed
             self.reply_error(e, closed=self.owner.closed)
             return
@@ -267,12 +275,18 @@ def watch_parent(parent: int) -> None:
     threading.Thread(target=watch, name="embedpipe-watch-parent", daemon=True).start()
 
 
-def main(argv: list[str]) -> int:
-    fd, parent = int(argv[0]), int(argv[1])
+def become_owner(fd: int, parent: int) -> Channel:
+    """This process as a training process's owner: a Ctrl-C is not its own, it ends with its
+    parent, leaves the cores to the training process; the connection at ``fd``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the training process's to take
     watch_parent(parent)
     torch.set_num_threads(1)  # the training process's cores are its own
-    server = Server(Channel(socket.socket(fileno=fd)))
+    return Channel(socket.socket(fileno=fd))
+
+
+def main(argv: list[str]) -> int:
+    """``FD PARENT``: serve the training process at the socket ``FD``."""
+    server = Server(become_owner(int(argv[0]), int(argv[1])))
     try:
         server.run()
     except ChannelClosed:  # the training process is gone: leave the table at its checkpoint

@@ -117,9 +117,15 @@ def test_a_service_refuses_other_tables_second_jobs_and_writers(tmp_path, data):
             )  # fmt: skip
             assert second.returncode != 0
             assert f"is serving another job (pid {os.getpid()})" in second.stderr, second.stderr
+            stale = embedpipe.Table.open(path)  # at step 0
             batch = next(iter(pipe.loader(data, batch_size=8)))  # the first job is unharmed
             batch["inputs_embeds"].sum().backward()
             pipe.step()
+    with pytest.raises(ValueError, match="at step 0, but its service holds it at step 1"):
+        with serving(path) as (address, _):
+            EmbeddingPipe(
+                stale, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=0.1), owner=address
+            )
     assert embedpipe.Table.open(path).step == 1
     with pytest.raises(ServiceNotFoundError, match="embedpipe serve"):
         EmbeddingPipe(path, cache_rows=10, owner=address)  # stopped: nobody listens
@@ -239,6 +245,10 @@ def test_serve_reports_bad_input_in_one_line(tmp_path):
     embedpipe.Table.create(tmp_path / "t.zarr", 10, 4).close()
     result = run_cli("serve", tmp_path / "t.zarr", "--address", "tcp://host:1")
     assert result.returncode == 1 and "unix:PATH" in result.stderr, result.stderr
+    (tmp_path / "notes.txt").write_text("mine")
+    result = run_cli("serve", tmp_path / "t.zarr", "--address", f"unix:{tmp_path}/notes.txt")
+    assert result.returncode == 1 and "is not a socket" in result.stderr, result.stderr
+    assert (tmp_path / "notes.txt").read_text() == "mine"  # never deleted
     with serving(tmp_path / "t.zarr") as (address, _):
         result = run_cli("serve", tmp_path / "t.zarr", "--address", address)
         assert result.returncode == 1 and "already open for writing" in result.stderr

@@ -1,0 +1,214 @@
+"""One owner process shared by the ranks of a ``torchrun`` job on one machine.
+
+Rank 0's pipe starts the owner process (``server.py``'s ``main`` with a listening socket and the
+number of ranks); every other rank's pipe connects to it and *joins* the owner rank 0 opened.
+So there is one cache, one optimizer state and one writeback for the machine, in shared memory
+that every rank's DataLoader workers read: no rank fetches rows from another.
+
+Each rank's connection is served by a thread of its own (:class:`RankServer`), one request at a
+time for the whole job (``Job.lock``), as an in-process owner serves one loop:
+
+- **The steps.** Every rank holds the same averaged gradient (the ranks average it as DDP does,
+  at backward: ``rank.py``), so the table steps once per optimizer step: rank 0 sends it; the
+  other ranks count it. Every request carries the number of steps its rank has taken
+  (``after``), and waits until rank 0 has sent that many before it is served: a rank's batch
+  sees exactly the steps before it, whichever rank runs ahead.
+- **Checkpoints, snapshots, loads** are asked by every rank at the same point of the loop (as
+  frameworks do under DDP); the first request does the work at that step, the same request of
+  the other ranks at the same step gets its result (``Job.once``).
+- **Close** is a meeting: the last rank to close commits, and every rank's ``close()`` returns
+  (or raises) after that commit.
+- **A rank that is gone** (its connection ends without a close) ends this process at once,
+  without a commit: the table stays at its last checkpoint, and every other rank raises
+  :class:`~embedpipe.errors.OwnerDiedError` at its next request.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from ..store.table import Table
+from .channel import Channel, peer_of
+from .server import Server, become_owner
+
+
+class Job:
+    """What the connections of one job share (see the module docstring)."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self.owner: Any = None
+        self.facts: tuple[Any, ...] | None = None  # what every rank's pipe must agree on
+        self.lock = threading.Condition()
+        self.closing = 0
+        self.closed: tuple[str, Any] | None = None  # ("ok", stats) or ("error", exception)
+        self.done: dict[tuple[Any, ...], Any] = {}  # a collective request's result, by its key
+
+    def submitted(self) -> int:
+        writeback = self.owner.writeback if self.owner is not None else None
+        return writeback.submitted if writeback is not None else 1 << 62
+
+    def once(self, key: tuple[Any, ...], work: Callable[[], Any]) -> Any:
+        """``work()``'s result for the first of the ranks asking ``key`` (an operation at a step);
+        the others get the same. ``key`` names the step and the table's generation, so the same
+        operation at a later step is done again."""
+        if key not in self.done:
+            self.done = {key: work()}
+        return self.done[key]
+
+
+class RankServer(Server):
+    """One rank's connection to the owner its job shares."""
+
+    def __init__(self, channel: Channel, job: Job, rank: int) -> None:
+        super().__init__(channel)
+        self.job = job
+        self.rank = rank
+
+    @property  # type: ignore[override]
+    def owner(self) -> Any:
+        return self.job.owner
+
+    @owner.setter
+    def owner(self, owner: Any) -> None:
+        if owner is not None or getattr(self, "job", None) is not None:
+            self.job.owner = owner
+
+    def handle(self, op: str, message: dict[str, Any], arrays: list, fds: list) -> None:
+        job = self.job
+        with job.lock:
+            after = message.get("after", 0)
+            if op == "load":  # rank 0's steps up to ours; or another rank loaded (and restarted
+                key = ("load", message["folder"], after)  # the count) at the same step
+                job.lock.wait_for(lambda: job.submitted() >= after or key in job.done)
+            elif op not in ("open", "join", "submit"):  # wait for rank 0's steps up to ours
+                job.lock.wait_for(lambda: job.submitted() >= after)
+            warnings.showwarning = self._keep_warning  # the owner's warnings go to this rank
+            super().handle(op, message, arrays, fds)
+            job.lock.notify_all()
+
+    # ----------------------------------------------------------------------------- requests
+    def do_open(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        if self.rank != 0 or m["optimizer"] is None:
+            raise ValueError("only rank 0 opens the table of an owner its ranks share")
+        super().do_open(m, arrays, fds)
+        self.job.facts = _facts(m)
+
+    def do_join(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        """Another rank's pipe: the same table and training as rank 0's, or refused."""
+        self.rank = m["rank"]
+        if self.job.owner is None:
+            raise RuntimeError("rank 0 has not opened the table yet")
+        mine = _facts(m)
+        if mine != self.job.facts:
+            raise ValueError(
+                f"rank {self.rank} made its pipe with {mine}, rank 0 with {self.job.facts} "
+                "(table, cache_rows, policy, optimizer, keep, consistency, padding_idx, "
+                "check_finite): make the same pipe on every rank"
+            )
+        self.reply_opened()
+
+    def do_submit(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        if self.rank != 0:
+            raise RuntimeError(f"rank {self.rank} sent a step: only rank 0 sends the job's steps")
+        super().do_submit(m, arrays, fds)
+
+    def do_call(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        """checkpoint and save: once for the job at a step (NOTE in the module docstring)."""
+        name = m["name"]
+        if name not in ("checkpoint", "save"):
+            return super().do_call(m, arrays, fds)
+        owner = self.owner
+        key = (name, *m["args"], m["after"], owner.generation)
+        self.reply(self.job.once(key, lambda: getattr(owner, name)(*m["args"])))
+
+    def do_load(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        owner = self.owner
+
+        def load() -> tuple[int, int]:
+            owner.load(Table.open(m["folder"], "r"))
+            return owner.generation, owner.applied_step
+
+        self.reply(*self.job.once(("load", m["folder"], m["after"]), load))
+
+    def do_close(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        """The last rank to close commits; every rank's reply waits for that commit."""
+        job = self.job
+        job.closing += 1
+        if job.closing == job.ranks:
+            try:
+                self.owner.close(m["raise_errors"])
+                job.closed = ("ok", self.owner.stats())
+            except BaseException as e:
+                job.closed = ("error", e)
+            job.lock.notify_all()
+        job.lock.wait_for(lambda: job.closed is not None)
+        self.done = True
+        kind, value = job.closed
+        later, self.later = self.later, None  # rank 0's error of a step: said after the commit
+        if kind == "ok" and later is not None and m["raise_errors"]:
+            self.owner.correct(later)
+            kind, value = "error", later
+        if kind == "ok":
+            self.reply(value)
+        else:
+            self.reply_error(value, closed=True)
+
+
+def _facts(m: dict[str, Any]) -> tuple[Any, ...]:
+    optimizer = m["optimizer"]
+    return (
+        os.path.realpath(m["path"]),
+        m["cache_rows"],
+        m["policy"],
+        optimizer.config() if optimizer is not None else None,
+        m["keep"],
+        tuple(sorted(m["options"].items())),
+    )
+
+
+def serve_job(first: Channel, listener: socket.socket, ranks: int) -> None:
+    """Serve rank 0 on ``first`` and the other ranks as they connect to ``listener``, each in a
+    thread; return when every rank has closed its pipe. A rank that is gone without closing
+    ends this process at once (NOTE in the module docstring)."""
+    job = Job(ranks)
+    threads = [_serve_rank(RankServer(first, job, 0))]
+    while len(threads) < ranks:
+        sock, _ = listener.accept()
+        if peer_of(sock)[1] != os.getuid():
+            sock.close()  # never read a pickle from another user
+            continue
+        threads.append(_serve_rank(RankServer(Channel(sock), job, -1)))  # its rank: at join
+    listener.close()
+    for thread in threads:
+        thread.join()
+
+
+def _serve_rank(server: RankServer) -> threading.Thread:
+    def run() -> None:
+        try:
+            server.run()
+        except BaseException:  # a rank is gone (ChannelClosed): the table stays at its checkpoint
+            os._exit(1)
+
+    thread = threading.Thread(target=run, name=f"embedpipe-rank-{server.rank}", daemon=True)
+    thread.start()
+    return thread
+
+
+def main(argv: list[str]) -> int:
+    """``FD PARENT LISTENER RANKS``: serve rank 0 at the socket ``FD`` and the other ranks of
+    its job as they connect to ``LISTENER``."""
+    first = become_owner(int(argv[0]), int(argv[1]))
+    serve_job(first, socket.socket(fileno=int(argv[2])), int(argv[3]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,146 @@
+"""A rank's side of the owner process that the ranks of a ``torchrun`` job on one machine share
+(``job.py``): :class:`RankOwner`.
+
+``EmbeddingPipe(..., owner="process")`` made by every rank of a process group: rank 0 starts
+the owner process (lent its writer lock) with a socket the other ranks connect to, tells them
+where it is (over the job's gloo group, as every exchange between ranks goes), and they join
+it. From then on each rank talks to the owner as one training process does (``client.py``),
+with two differences:
+
+- **backward** averages the table's gradient over the ranks as DDP averages a replicated
+  ``nn.Embedding``'s (``Shards.gradient``: each gradient times 1/N, summed in rank order), so
+  ``pipe.parameter.grad``, a global norm and the optimizer step are the same on every rank;
+- **the step** is sent by rank 0 alone; the other ranks count it, and their requests wait in
+  the owner for rank 0's step (``after``).
+
+Every rank's DataLoader workers read the one shared cache: no rank sends another rows.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from typing import Any
+
+import torch
+
+from ..errors import DistributedNotSupportedError
+from ..ranks.shards import Shards
+from ..store.table import Table
+from .channel import Channel
+from .client import RemoteOwner, start_owner
+
+
+class RankOwner(RemoteOwner):
+    """:class:`RemoteOwner` for a rank of ``shards``' group; the other arguments as its."""
+
+    def __init__(self, shards: Shards, *args: Any, **kwargs: Any) -> None:
+        self.shards = shards
+        super().__init__(*args, **kwargs)
+
+    def _open(self, opening: dict[str, Any]) -> Any:
+        """Rank 0 starts the owner and opens the table; then the others join it."""
+        shards = self.shards
+        error: BaseException | None = None
+        reply, address = None, None
+        folder = tempfile.mkdtemp(prefix="embedpipe-") if shards.leader else None
+        try:
+            if shards.leader:
+                try:
+                    address = os.path.join(folder, "owner.sock")
+                    listener = _listen(address, shards.size)
+                    try:
+                        self.process, channel = start_owner(
+                            opening["lock_fd"], "job", listener.fileno(), shards.size
+                        )
+                    finally:
+                        listener.close()
+                    self._connected(channel)
+                    reply = self._request(opening)
+                except BaseException as e:
+                    error = e
+            here = (address, socket.gethostname())
+            address, machine = shards.agree(error, "starting the owner process", here)
+            if not shards.leader:
+                try:
+                    if machine != socket.gethostname():
+                        raise DistributedNotSupportedError(
+                            f"rank {shards.rank} runs on {socket.gethostname()}, rank 0 on "
+                            f"{machine}: owner='process' serves the ranks of one machine; "
+                            "use owner='thread' (each rank owns a shard of the table)"
+                        )
+                    self._connected(Channel.connect(address))
+                    reply = self._request({**opening, "op": "join", "rank": shards.rank})
+                except BaseException as e:
+                    error = e
+            shards.agree(error, "joining the owner process of the ranks")
+        except BaseException:
+            shards.close()
+            raise
+        finally:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)  # every rank joined, or none will
+        return reply
+
+    def _describe_owner(self) -> str:
+        return (
+            f"the owner process of table {self.table.path} that the {self.shards.size} ranks "
+            f"share (pid {self.owner_pid}, started by rank 0)"
+        )
+
+    def _add_gradient(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """Every rank's gradient, averaged as DDP does: the same pending gradient everywhere."""
+        union, total = self.shards.gradient(self.submitted, self.generation, unique_ids, grad)
+        super()._add_gradient(union, total)
+
+    def submit(self, ids: torch.Tensor, grad: torch.Tensor, lr: float | None) -> None:
+        if self.shards.leader:
+            super().submit(ids, grad, lr)
+        else:
+            self.submitted += 1  # rank 0 sent the same step
+
+    def close(self, raise_errors: bool = True) -> None:
+        try:
+            super().close(raise_errors)
+        finally:
+            if self.closed:
+                self.shards.close()
+
+
+def open_shared(table: Table | str | os.PathLike[str], shards: Shards) -> tuple[Table, bool]:
+    """This rank's handle on the table its ranks' owner process trains: rank 0 opens it to
+    write (its lock goes to the owner process), the others to read; an error on any rank is
+    raised on every rank. Returns the handle and whether the pipe closes it."""
+    owns_table = not isinstance(table, Table)
+    error: BaseException | None = None
+    try:
+        if owns_table:
+            table = Table.open(table, "r+" if shards.leader else "r")
+        elif shards.leader and table.mode != "r+":
+            raise ValueError(
+                f"the pipe updates {table.path}: open it with Table.open(path, mode='r+') on "
+                "rank 0 (or pass the path, on every rank)"
+            )
+    except BaseException as e:
+        error = e
+    try:
+        shards.agree(error, "opening the table")
+    except BaseException:
+        if owns_table and error is None:
+            table.close()
+        shards.close()
+        raise
+    return table, owns_table
+
+
+def _listen(path: str, ranks: int) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # this user's only
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(old)
+    listener.listen(ranks)
+    return listener

@@ -1,0 +1,56 @@
+"""One owner process shared by the 2 ranks of a ``torchrun`` job on one machine
+(``EmbeddingPipe(..., owner="process")`` under a process group): the runs of
+``distributed_run.py`` with ``PIPE_OWNER=process``, against DDP + a replicated ``nn.Embedding``
+and the matching torch optimizer, bit for bit (with 2 ranks DDP's sum is ``g0 / 2 + g1 / 2``,
+as the ranks' average here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ..ranks.test_distributed import torchrun
+
+pytest.importorskip("transformers", reason="the runs train a tiny transformers BERT")
+
+RUNS = ["sgd:0:0", "adagrad:2:1.0"]  # SGD without workers; Adagrad, 2 workers a rank, clipping
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, monkeypatch_module):
+    monkeypatch_module.setenv("PIPE_OWNER", "process")
+    folder = tmp_path_factory.mktemp("shared")
+    torchrun("parity", str(folder), *RUNS, "reload")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", RUNS)
+def test_two_ranks_sharing_one_owner_process_train_the_table_ddp_trains(runs, run):
+    result = torch.load(runs / run / "result.pt")
+    changed = (result["reference"] != result["offloaded"]).any(dim=1)
+    assert not changed.any(), f"{int(changed.sum())} rows differ from DDP + nn.Embedding"
+    for name, value in result["reference_dense"].items():
+        assert torch.equal(value, result["offloaded_dense"][name]), name
+    assert result["step"] == 8
+    stats = result["stats"]
+    assert stats["batches"] == 16  # both ranks' batches, through the one owner
+    assert stats["remote_rows"] == 0 and stats["served_rows"] == 0  # no rows between ranks
+    assert result["unflushed"] == "no error"  # one owner: a read flushes it, on any rank
+    assert torch.equal(result["flushed"], result["offloaded"])
+
+
+@pytest.mark.slow
+def test_a_snapshot_loaded_mid_run_on_every_rank_trains_the_straight_runs_table(runs):
+    straight = torch.load(runs / "adagrad:2:1.0" / "result.pt")
+    reloaded = torch.load(runs / "reload" / "result.pt")
+    assert reloaded["step"] == 8
+    assert torch.equal(reloaded["offloaded"], straight["reference"])
+    for name, value in straight["reference_dense"].items():
+        assert torch.equal(value, reloaded["dense"][name]), name
