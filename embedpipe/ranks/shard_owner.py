@@ -222,13 +222,7 @@ def open_shard(
     error: BaseException | None = None
     if shards.leader:
         try:
-            if opened is None:
-                opened = Table.open(table, "r+")
-            if opened.mode != "r+":
-                raise ValueError(
-                    f"the pipe updates {opened.path}: open it with Table.open(path, mode='r+') "
-                    "on rank 0 (or pass the path, on every rank)"
-                )
+            opened = writer_on_rank_0(table)
             opened._claim(f"{creator}, rank 0 of a sharded pipe")
             shards.plan(opened.num_rows, opened.chunk_rows)
             opened._prepare(optimizer, keep, shards.layout())
@@ -272,3 +266,15 @@ def open_shard(
         shards.close()
         raise
     return opened, owns_table
+
+
+def writer_on_rank_0(table: Table | str | os.PathLike[str]) -> Table:
+    """Rank 0's handle on the table its ranks train: ``table`` opened to write (a path), or
+    checked to be (a Table)."""
+    opened = Table.open(table, "r+") if not isinstance(table, Table) else table
+    if opened.mode != "r+":
+        raise ValueError(
+            f"the pipe updates {opened.path}: open it with Table.open(path, mode='r+') on rank "
+            "0 (or pass the path, on every rank)"
+        )
+    return opened

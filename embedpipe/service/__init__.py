@@ -6,7 +6,10 @@
 - ``client.py``: :class:`RemoteOwner`, the training process's side, which the pipe uses in the
   place of an in-process owner (``EmbeddingPipe(..., owner="process")``);
 - ``serve.py``: :class:`Service`, an owner that outlives the jobs it serves
-  (``embedpipe serve TABLE``, ``EmbeddingPipe(..., owner="unix:PATH")``).
+  (``embedpipe serve TABLE``, ``EmbeddingPipe(..., owner="unix:PATH")``);
+- ``reach.py``: starting an owner process, or connecting to a service;
+- ``job.py`` and ``rank.py``: one owner process shared by the ranks of a ``torchrun`` job on
+  one machine, its side and each rank's.
 """
 
 from .channel import Channel, ChannelClosed

@@ -29,7 +29,6 @@ import itertools
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import warnings
@@ -43,7 +42,7 @@ import torch
 from ..cache.ring import BatchRing
 from ..cache.rowcache import SharedRows
 from ..cache.shm import SharedBlock
-from ..errors import OwnerDiedError, ServiceNotFoundError
+from ..errors import OwnerDiedError
 from ..ids import as_ids, unique_inverse
 from ..optim import RowOptimizer
 from ..owner import durability
@@ -55,8 +54,8 @@ from ..store.table import Table
 from ..worker.batch import EmbeddedBatch
 from ..worker.looked_up import LookedUp
 from ..worker.orphans import exit_reason
-from .channel import Channel, ChannelClosed, peer_of
-from .serve import socket_path
+from .channel import Channel, ChannelClosed
+from .reach import connect, start_owner
 
 #: How long ``close()`` waits for the owner process to exit once it has committed.
 EXIT_SECONDS = 30.0
@@ -160,7 +159,7 @@ class RemoteOwner:
         if self.address is None:
             self.process, channel = start_owner(opening["lock_fd"])
         else:
-            channel = _connect(self.address, self.table.path)
+            channel = connect(self.address, self.table.path)
         self._connected(channel)
         return self._request(opening)
 
@@ -453,49 +452,6 @@ class RemoteOwner:
             table.close()
 
 
-def start_owner(
-    lock_fd: int | None, module: str = "server", *more: int
-) -> tuple[subprocess.Popen, Channel]:
-    """An owner process of this one's (``server.py``; ``job.py`` with a listening socket's
-    descriptor and the number of ranks as ``more``), lent the writer lock's descriptor."""
-    channel, theirs = Channel.pair()
-    fds = (theirs.fileno(),) + ((lock_fd,) if lock_fd is not None else ()) + more[:1]
-    try:
-        process = subprocess.Popen(
-            [sys.executable, "-P", "-m", f"embedpipe.service.{module}", str(theirs.fileno()),
-             str(os.getpid()), *map(str, more)],
-            pass_fds=fds,
-            env=_environment(),
-            start_new_session=True,  # a Ctrl-C in the terminal is the training process's
-        )  # fmt: skip
-    except BaseException:
-        channel.close()
-        raise
-    finally:
-        theirs.close()
-    return process, channel
-
-
-def _connect(address: str, table: str) -> Channel:
-    """A connection to the service at ``address`` (``embedpipe serve``)."""
-    path = socket_path(address)
-    try:
-        channel = Channel.connect(path)
-    except (FileNotFoundError, ConnectionRefusedError) as e:
-        raise ServiceNotFoundError(
-            f"no table service listens at {address} ({e.strerror}); start one with "
-            f"`embedpipe serve {table} --address {address}`"
-        ) from None
-    pid, uid = peer_of(channel.sock)
-    if uid != os.getuid():  # its replies are pickles: only ours may be read
-        channel.close()
-        raise PermissionError(
-            f"the process listening at {address} (pid {pid}) is another user's (uid {uid}): "
-            "embedpipe connects only to a service of this user's"
-        )
-    return channel
-
-
 @contextlib.contextmanager
 def _interrupts_held() -> Iterator[Callable[[], None] | None]:
     """Hold SIGINT back (in the main thread, under Python's own handler) while a message
@@ -520,11 +476,3 @@ def _interrupts_held() -> Iterator[Callable[[], None] | None]:
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     interrupted()
-
-
-def _environment() -> dict[str, str]:
-    """The owner process's environment: this one's, with embedpipe importable as here."""
-    env = dict(os.environ)
-    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
-    return env

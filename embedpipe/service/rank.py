@@ -27,10 +27,12 @@ from typing import Any
 import torch
 
 from ..errors import DistributedNotSupportedError
+from ..ranks.shard_owner import writer_on_rank_0
 from ..ranks.shards import Shards
 from ..store.table import Table
 from .channel import Channel
-from .client import RemoteOwner, start_owner
+from .client import RemoteOwner
+from .reach import start_owner
 
 
 class RankOwner(RemoteOwner):
@@ -111,28 +113,36 @@ class RankOwner(RemoteOwner):
 
 def open_shared(table: Table | str | os.PathLike[str], shards: Shards) -> tuple[Table, bool]:
     """This rank's handle on the table its ranks' owner process trains: rank 0 opens it to
-    write (its lock goes to the owner process), the others to read; an error on any rank is
+    write (its lock goes to the owner process) and commits what it changed (an offload's
+    metadata), then the others open it to read, at that checkpoint; an error on any rank is
     raised on every rank. Returns the handle and whether the pipe closes it."""
     owns_table = not isinstance(table, Table)
+    opened: Table | None = None if owns_table else table
     error: BaseException | None = None
     try:
-        if owns_table:
-            table = Table.open(table, "r+" if shards.leader else "r")
-        elif shards.leader and table.mode != "r+":
-            raise ValueError(
-                f"the pipe updates {table.path}: open it with Table.open(path, mode='r+') on "
-                "rank 0 (or pass the path, on every rank)"
-            )
-    except BaseException as e:
-        error = e
-    try:
+        try:
+            if shards.leader:
+                opened = writer_on_rank_0(table)
+                if opened._modified:  # the other ranks read the checkpoint: make it this
+                    opened._commit(opened.step)
+        except BaseException as e:
+            error = e
+        shards.agree(error, "opening the table")
+        try:
+            if not shards.leader:
+                if opened is None:
+                    opened = Table.open(table, "r")
+                else:
+                    opened._reopen(live=False)  # the checkpoint rank 0 just committed
+        except BaseException as e:
+            error = e
         shards.agree(error, "opening the table")
     except BaseException:
-        if owns_table and error is None:
-            table.close()
+        if owns_table and opened is not None:
+            opened.close()
         shards.close()
         raise
-    return table, owns_table
+    return opened, owns_table
 
 
 def _listen(path: str, ranks: int) -> socket.socket:

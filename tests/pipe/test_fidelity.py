@@ -145,18 +145,7 @@ def references(weight):
 def test_random_samples_train_as_nn_embedding_with_every_policy(
     tmp_path, weight, references, policy, cache, num_workers
 ):
-    expected = references[num_workers]
-    got = offloaded(
-        NoisyTokens(),
-        tmp_path / "t.zarr",
-        weight,
-        num_workers,
-        int(V * cache),
-        policy,
-        shuffle=True,
-    )
-    same_runs(got, expected)
-    assert torch.equal(got[0], expected[0])
+    trains_as_nn_embedding(tmp_path, references, weight, num_workers, cache, policy, "thread")
 
 
 @pytest.mark.parametrize(("cache", "num_workers"), [(0.05, 2), slow(0.05, 0), slow(1.0, 2)])
@@ -165,6 +154,10 @@ def test_random_samples_train_as_nn_embedding_with_an_owner_process(
 ):
     """The same with the owner in a process of its own: the workers still call the dataset,
     and the owner process draws from no generator of the program's."""
+    trains_as_nn_embedding(tmp_path, references, weight, num_workers, cache, "auto", "process")
+
+
+def trains_as_nn_embedding(tmp_path, references, weight, num_workers, cache, policy, owner):
     expected = references[num_workers]
     got = offloaded(
         NoisyTokens(),
@@ -172,8 +165,8 @@ def test_random_samples_train_as_nn_embedding_with_an_owner_process(
         weight,
         num_workers,
         int(V * cache),
-        "auto",
-        owner="process",
+        policy,
+        owner=owner,
         shuffle=True,
     )
     same_runs(got, expected)

@@ -26,6 +26,7 @@ from embedpipe.pipe import EmbeddingPipe
 
 from .. import crash_run
 from ..helpers import initial_table, run_cli, slow, train_offloaded, train_reference, zipf_dataset
+from ..store.test_crash import _run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -160,30 +161,6 @@ def test_a_dead_service_is_raised_within_seconds_naming_the_checkpoint(tmp_path,
     assert reopened.step == 2 and np.array_equal(reopened.read(np.arange(1000)), at_2)
 
 
-def _run_job(path, address, *args, kill_after_step=None):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.crash_run", str(path), "--owner", address, *args],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    lines = []
-    try:
-        for line in process.stdout:
-            lines.append(line.strip())
-            if kill_after_step is not None and line.strip() == f"step {kill_after_step}":
-                os.kill(process.pid, signal.SIGKILL)
-                break
-            if line.startswith("done"):
-                break
-        code = process.wait(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.stdout.close()
-    return code, lines
-
-
 @pytest.mark.slow
 def test_a_killed_job_leaves_the_service_up_and_a_new_job_resumes_exactly(tmp_path):
     """kill -9 of a job between checkpoints (every 3 steps): the service stays up, the table
@@ -198,7 +175,7 @@ def test_a_killed_job_leaves_the_service_up_and_a_new_job_resumes_exactly(tmp_pa
     torch.save(crash_run.initial_dense(), tmp_path / "dense-0.pt")
     ids = np.arange(crash_run.V)
     with serving(path) as (address, service):
-        code, lines = _run_job(path, address, "--every", "3", kill_after_step=7)
+        code, lines = _run(path, "--owner", address, kill_after_step=7)
         assert code == -signal.SIGKILL, lines[-3:]
         time.sleep(1)
         assert service.poll() is None, "the service ended with its job"
@@ -206,7 +183,7 @@ def test_a_killed_job_leaves_the_service_up_and_a_new_job_resumes_exactly(tmp_pa
         assert reader.step == 6
         assert torch.equal(reader.to_tensor(), states[6][0])
         assert torch.equal(torch.from_numpy(reader.read(ids, "sum")), states[6][1])
-        code, lines = _run_job(path, address, "--every", "3", "--resume")
+        code, lines = _run(path, "--owner", address, "--resume")
         assert code == 0 and lines[-1] == f"done {crash_run.STEPS}", lines[-3:]
     final = embedpipe.Table.open(path)
     assert final.step == crash_run.STEPS

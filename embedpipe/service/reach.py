@@ -1,0 +1,64 @@
+"""Reaching a table's owner process from a training process: starting one of its own
+(``server.py``, or ``job.py`` for the ranks of a job), or connecting to a service that listens
+at an address (``embedpipe serve``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from ..errors import ServiceNotFoundError
+from .channel import Channel, peer_of
+from .serve import socket_path
+
+
+def start_owner(
+    lock_fd: int | None, module: str = "server", *more: int
+) -> tuple[subprocess.Popen, Channel]:
+    """An owner process of this one's (``server.py``; ``job.py`` with a listening socket's
+    descriptor and the number of ranks as ``more``), lent the writer lock's descriptor."""
+    channel, theirs = Channel.pair()
+    fds = (theirs.fileno(),) + ((lock_fd,) if lock_fd is not None else ()) + more[:1]
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-P", "-m", f"embedpipe.service.{module}", str(theirs.fileno()),
+             str(os.getpid()), *map(str, more)],
+            pass_fds=fds,
+            env=_environment(),
+            start_new_session=True,  # a Ctrl-C in the terminal is the training process's
+        )  # fmt: skip
+    except BaseException:
+        channel.close()
+        raise
+    finally:
+        theirs.close()
+    return process, channel
+
+
+def connect(address: str, table: str) -> Channel:
+    """A connection to the service at ``address`` (``embedpipe serve``)."""
+    path = socket_path(address)
+    try:
+        channel = Channel.connect(path)
+    except (FileNotFoundError, ConnectionRefusedError) as e:
+        raise ServiceNotFoundError(
+            f"no table service listens at {address} ({e.strerror}); start one with "
+            f"`embedpipe serve {table} --address {address}`"
+        ) from None
+    pid, uid = peer_of(channel.sock)
+    if uid != os.getuid():  # its replies are pickles: only ours may be read
+        channel.close()
+        raise PermissionError(
+            f"the process listening at {address} (pid {pid}) is another user's (uid {uid}): "
+            "embedpipe connects only to a service of this user's"
+        )
+    return channel
+
+
+def _environment() -> dict[str, str]:
+    """The owner process's environment: this one's, with embedpipe importable as here."""
+    env = dict(os.environ)
+    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+    return env
