@@ -198,7 +198,8 @@ CHECKPOINT_AT = 4
 
 
 def reload(folder: str) -> None:
-    """Adagrad, 2 workers, clipping (the parity run's settings): 2 steps, a snapshot, 2 more
+    """Adagrad, 2 workers, clipping (the parity run's settings): 2 steps, a snapshot (into a
+    folder rank 0 makes a second after the other rank asked for it), 2 more
     steps, then load_checkpoint right after a step (a rank's writeback may still be applying
     it), the dense weights back, and steps 3 to 8 again: the table the straight run trains."""
     path = os.path.join(folder, "table.zarr")
@@ -207,7 +208,10 @@ def reload(folder: str) -> None:
     pipe = make_pipe(path, "adagrad")
     opt = optimizer_for(model, pipe, "adagrad")
     run(ddp, model, pipe, opt, 2, 1.0, range(2))
-    snapshot = os.path.join(folder, "snapshot")
+    snapshot = os.path.join(folder, "checkpoint-2", "table")
+    if dist.get_rank() == 0:  # as Trainer: rank 0 makes the folder, another rank may ask first
+        time.sleep(1.0)
+        os.makedirs(os.path.dirname(snapshot))
     pipe.save_checkpoint(snapshot)
     dense = {k: v.clone() for k, v in model.state_dict().items()}
     run(ddp, model, pipe, opt, 2, 1.0, range(2, 4))

@@ -15,7 +15,10 @@ time for the whole job (``Job.lock``), as an in-process owner serves one loop:
   sees exactly the steps before it, whichever rank runs ahead.
 - **Checkpoints, snapshots, loads** are asked by every rank at the same point of the loop (as
   frameworks do under DDP); the first request does the work at that step, the same request of
-  the other ranks at the same step gets its result (``Job.once``).
+  the other ranks at the same step gets its result (``Job.once``). A snapshot is taken at rank
+  0's request, the others' wait for it: rank 0 makes the folder it goes in (Trainer and
+  Accelerate make a checkpoint's folder on the main process only), and another rank's request
+  may come first.
 - **Close** is a meeting: the last rank to close commits, and every rank's ``close()`` returns
   (or raises) after that commit.
 - **A rank that is gone** (its connection ends without a close) ends this process at once,
@@ -48,19 +51,31 @@ class Job:
         self.lock = threading.Condition()
         self.closing = 0
         self.closed: tuple[str, Any] | None = None  # ("ok", stats) or ("error", exception)
-        self.done: dict[tuple[Any, ...], Any] = {}  # a collective request's result, by its key
+        self.done: dict[tuple[Any, ...], tuple[bool, Any]] = {}  # recent collective requests'
 
     def submitted(self) -> int:
         writeback = self.owner.writeback if self.owner is not None else None
         return writeback.submitted if writeback is not None else 1 << 62
 
-    def once(self, key: tuple[Any, ...], work: Callable[[], Any]) -> Any:
-        """``work()``'s result for the first of the ranks asking ``key`` (an operation at a step);
-        the others get the same. ``key`` names the step and the table's generation, so the same
-        operation at a later step is done again."""
+    def once(self, key: tuple[Any, ...], work: Callable[[], Any], *, does: bool = True) -> Any:
+        """``work()``'s result (or error) for the first of the ranks asking ``key`` (an operation
+        at a step) that ``does`` it; the others get the same, waiting for it if need be. ``key``
+        names the step and the table's generation, so the same operation at a later step is
+        done again. Called with ``lock`` held."""
         if key not in self.done:
-            self.done = {key: work()}
-        return self.done[key]
+            if does:
+                try:
+                    self.done[key] = (True, work())
+                except Exception as e:
+                    self.done[key] = (False, e)
+                while len(self.done) > 64:  # a rank is at most a step or two behind rank 0
+                    del self.done[next(iter(self.done))]
+            else:
+                self.lock.wait_for(lambda: key in self.done)
+        ok, value = self.done[key]
+        if not ok:
+            raise value
+        return value
 
 
 class RankServer(Server):
@@ -126,7 +141,8 @@ class RankServer(Server):
             return super().do_call(m, arrays, fds)
         owner = self.owner
         key = (name, *m["args"], m["after"], owner.generation)
-        self.reply(self.job.once(key, lambda: getattr(owner, name)(*m["args"])))
+        does = name == "checkpoint" or self.rank == 0  # a snapshot: rank 0 made its folder
+        self.reply(self.job.once(key, lambda: getattr(owner, name)(*m["args"]), does=does))
 
     def do_load(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         owner = self.owner
