@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import time
 from collections.abc import Callable
@@ -89,6 +90,39 @@ def split(num_rows: int, chunk_rows: int, shards: int) -> np.ndarray:
     return np.minimum(edges * chunk_rows, num_rows)
 
 
+# NOTE [ A fork never frees a process group ]
+# A gloo process group's destructor joins the group's threads. A DataLoader worker is forked
+# from a training process that may hold one as cyclic garbage (a closed pipe's ``Shards``, still
+# in a cycle with its pipe); a garbage collection in the worker frees it there, where its
+# threads do not exist, and the worker waits on them forever (found: an Accelerate loop under
+# torchrun with owner='process' hung at its second pipe's first batch, one worker of rank 1 in
+# ``~ProcessGroupGloo`` inside ``gc_collect_main``). So once this process has made a group,
+# every fork freezes the collector's objects first (``gc.freeze``, constant time): the child
+# never collects what it inherited, and the parent unfreezes at once. A freeze the program made
+# itself is left as it is.
+
+_fork_hooks = False
+
+
+def _freeze_for_forks() -> None:
+    global _fork_hooks
+    if _fork_hooks:
+        return
+    _fork_hooks = True
+    froze = [False]
+
+    def before() -> None:
+        froze[0] = gc.get_freeze_count() == 0
+        if froze[0]:
+            gc.freeze()
+
+    def after_in_parent() -> None:
+        if froze[0]:
+            gc.unfreeze()
+
+    os.register_at_fork(before=before, after_in_parent=after_in_parent)
+
+
 class Shards:
     """This rank's place in a sharded table, and the collectives of the NOTE.
 
@@ -98,6 +132,7 @@ class Shards:
 
     def __init__(self, group: Any, timeout: float = DEFAULT_TIMEOUT) -> None:
         ranks = dist.get_process_group_ranks(group)
+        _freeze_for_forks()  # NOTE [ A fork never frees a process group ]
         self.group = dist.new_group(
             ranks, timeout=datetime.timedelta(seconds=timeout), backend="gloo"
         )

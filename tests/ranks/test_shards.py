@@ -3,6 +3,10 @@ the slow group): shard bounds, and the collectives on a process group of one ran
 
 from __future__ import annotations
 
+import gc
+import multiprocessing
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -49,3 +53,28 @@ def test_one_rank_owns_every_row_and_averages_its_own_gradient(group):
             shards.agree(OSError("disk full"), "taking a checkpoint")
     finally:
         shards.close()
+
+
+def _collect_and_exit() -> None:
+    gc.collect()
+    os._exit(0)
+
+
+def test_a_forked_worker_never_frees_a_closed_pipes_process_group(group):
+    """A DataLoader worker forked while a closed pipe's gloo group is cyclic garbage: its
+    collector would free the group there and wait forever on threads it does not have (NOTE
+    [ A fork never frees a process group ]; measured: hung every time before)."""
+
+    class Pipe:  # a closed pipe, in a cycle with its Shards
+        pass
+
+    pipe = Pipe()
+    pipe.shards, pipe.me = Shards(group, timeout=30), pipe
+    pipe.shards.close()
+    del pipe
+    child = multiprocessing.get_context("fork").Process(target=_collect_and_exit)
+    child.start()
+    child.join(20)
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == 0, "the forked process hung freeing the group"
