@@ -48,7 +48,7 @@ from ..optim import RowOptimizer
 from ..owner import durability
 from ..owner.gradient import TableGradient, refuse_non_finite, without_padding
 from ..owner.owner import take_options
-from ..store.checkpoints import Checkpoint
+from ..store.checkpoints import Checkpoint, latest
 from ..store.layout import read_table_metadata
 from ..store.table import Table
 from ..worker.batch import EmbeddedBatch
@@ -408,9 +408,10 @@ class RemoteOwner:
             how = "still running" if code is None else exit_reason(code)
         if broken is not None:  # out of step: nothing it says can be trusted now
             how = f"stopped: the connection to it was {broken} (a signal? Ctrl-C?)"
-        try:
-            step = read_table_metadata(self.table.path).get("step", "?")
-        except OSError:
+        try:  # where the table reopens: its latest commit (``checkpoints.recover``)
+            last = latest(str(self.table.path))
+            step = last.step if last is not None else read_table_metadata(self.table.path)["step"]
+        except (OSError, KeyError, ValueError):
             step = "?"
         self._stop()
         self._take_table_back(died=True)

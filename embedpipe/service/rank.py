@@ -147,10 +147,9 @@ def open_shared(table: Table | str | os.PathLike[str], shards: Shards) -> tuple[
 
 def _listen(path: str, ranks: int) -> socket.socket:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)  # this user's only
-    try:
-        listener.bind(path)
-    finally:
-        os.umask(old)
+    # this user's only: ``path`` is in a folder of mode 0700 (``mkdtemp``), and the owner
+    # checks each connection's user; no umask, which would hold for every thread of the process
+    listener.bind(path)
+    os.chmod(path, 0o600)
     listener.listen(ranks)
     return listener
