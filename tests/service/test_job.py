@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import embedpipe
+
 from ..ranks import test_distributed as distributed
 from ..ranks.test_distributed import torchrun
 
@@ -86,3 +88,29 @@ def test_lightning_and_accelerate_with_one_owner_process_for_their_ranks(framewo
     distributed.test_lightning_and_accelerate_ddp_train_the_table_they_train_with_nn_embedding(
         framework_runs, framework
     )
+
+
+@pytest.mark.slow
+def test_a_killed_rank_makes_the_other_raise_within_seconds_at_the_last_checkpoint(tmp_path):
+    """Rank 1 killed after the checkpoint at step 2 (``distributed_run.py``'s ``lose``): the
+    owner process they share ends without a commit, rank 0 raises within seconds (embedpipe's
+    error names the last checkpoint; when DDP's all-reduce sees the loss first, gloo's error,
+    and the pipe's close raises ``OwnerDiedError``), and the table reopens at the checkpoint,
+    its lock free."""
+    procs = distributed.launch("lose", str(tmp_path), "kill", env={"PIPE_OWNER": "process"})
+    try:
+        outcome = distributed._outcome(tmp_path, 0, procs, limit=120)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    if outcome["error"] == "RuntimeError":  # DDP's own all-reduce saw it first (gloo's error)
+        assert "gloo" in outcome["message"] and outcome["close"] == "OwnerDiedError", outcome
+    else:  # the owner's connection, or the gradient's exchange
+        assert outcome["error"] in ("OwnerDiedError", "PeerLostError"), outcome
+        assert "last checkpoint" in outcome["message"], outcome
+    assert outcome["after"] < 12, outcome  # seen by its connections (2 s of it rank 1 slept)
+    table = embedpipe.Table.open(tmp_path / "table.zarr")
+    assert table.step == 2  # the last checkpoint; nothing after it
+    table.close()
+    embedpipe.Table.open(tmp_path / "table.zarr", "r+").close()  # and the lock is free
