@@ -29,6 +29,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -199,7 +200,8 @@ CHECKPOINT_AT = 4
 
 def reload(folder: str) -> None:
     """Adagrad, 2 workers, clipping (the parity run's settings): 2 steps, a snapshot (into a
-    folder rank 0 makes a second after the other rank asked for it), 2 more
+    folder rank 0 makes a second after the other rank asked for it; then, as Trainer saving a
+    step again, emptied by rank 0 and saved again), 2 more
     steps, then load_checkpoint right after a step (a rank's writeback may still be applying
     it), the dense weights back, and steps 3 to 8 again: the table the straight run trains."""
     path = os.path.join(folder, "table.zarr")
@@ -213,6 +215,9 @@ def reload(folder: str) -> None:
         time.sleep(1.0)
         os.makedirs(os.path.dirname(snapshot))
     pipe.save_checkpoint(snapshot)
+    if dist.get_rank() == 0:  # as Trainer saving a step again: rank 0 empties the folder
+        shutil.rmtree(snapshot)
+    pipe.save_checkpoint(snapshot)  # done again, not the first one's result
     dense = {k: v.clone() for k, v in model.state_dict().items()}
     run(ddp, model, pipe, opt, 2, 1.0, range(2, 4))
     pipe.load_checkpoint(snapshot)

@@ -51,28 +51,32 @@ class Job:
         self.lock = threading.Condition()
         self.closing = 0
         self.closed: tuple[str, Any] | None = None  # ("ok", stats) or ("error", exception)
-        self.done: dict[tuple[Any, ...], tuple[bool, Any]] = {}  # recent collective requests'
+        self.done: dict[tuple[Any, ...], tuple[int, bool, Any]] = {}  # recent collective
+        # requests' outcomes: (how many times asked, ok, the result or the error)
 
     def submitted(self) -> int:
         writeback = self.owner.writeback if self.owner is not None else None
         return writeback.submitted if writeback is not None else 1 << 62
 
-    def once(self, key: tuple[Any, ...], work: Callable[[], Any], *, does: bool = True) -> Any:
-        """``work()``'s result (or error) for the first of the ranks asking ``key`` (an operation
-        at a step) that ``does`` it; the others get the same, waiting for it if need be. ``key``
-        names the step and the table's generation, so the same operation at a later step is
-        done again. Called with ``lock`` held."""
-        if key not in self.done:
+    def once(self, key: tuple[Any, ...], nth: int, work: Callable[[], Any], *, does: bool) -> Any:
+        """``work()``'s result (or error) for the ``nth`` request of ``key`` (an operation at a
+        step) of each rank: the first rank to ask that ``does`` it, the others get the same,
+        waiting for it if need be. ``key`` names the step and the table's generation, so the
+        same operation at a later step is done again; ``nth`` counts a rank's requests of
+        ``key``, so the same operation asked again at the same step (Trainer saving a step's
+        checkpoint again, into a folder it emptied) is done again. Called with ``lock`` held."""
+        if self.done.get(key, (0,))[0] < nth:
             if does:
                 try:
-                    self.done[key] = (True, work())
+                    self.done[key] = (nth, True, work())
                 except Exception as e:
-                    self.done[key] = (False, e)
+                    self.done[key] = (nth, False, e)
+                self.done[key] = self.done.pop(key)  # the newest last
                 while len(self.done) > 64:  # a rank is at most a step or two behind rank 0
                     del self.done[next(iter(self.done))]
             else:
-                self.lock.wait_for(lambda: key in self.done)
-        ok, value = self.done[key]
+                self.lock.wait_for(lambda: self.done.get(key, (0,))[0] >= nth)
+        _, ok, value = self.done[key]
         if not ok:
             raise value
         return value
@@ -85,6 +89,14 @@ class RankServer(Server):
         super().__init__(channel)
         self.job = job
         self.rank = rank
+        self.asked: dict[tuple[Any, ...], int] = {}  # this rank's collective requests, by key
+
+    def _once(self, key: tuple[Any, ...], work: Callable[[], Any], *, does: bool = True) -> Any:
+        """``Job.once`` for this rank's next request of ``key``."""
+        nth = self.asked[key] = self.asked.pop(key, 0) + 1
+        while len(self.asked) > 64:
+            del self.asked[next(iter(self.asked))]
+        return self.job.once(key, nth, work, does=does)
 
     @property  # type: ignore[override]
     def owner(self) -> Any:
@@ -101,7 +113,10 @@ class RankServer(Server):
             after = message.get("after", 0)
             if op == "load":  # rank 0's steps up to ours; or another rank loaded (and restarted
                 key = ("load", message["folder"], after)  # the count) at the same step
-                job.lock.wait_for(lambda: job.submitted() >= after or key in job.done)
+                nth = self.asked.get(key, 0) + 1
+                job.lock.wait_for(
+                    lambda: job.submitted() >= after or job.done.get(key, (0,))[0] >= nth
+                )
             elif op not in ("open", "join", "submit"):  # wait for rank 0's steps up to ours
                 job.lock.wait_for(lambda: job.submitted() >= after)
             warnings.showwarning = self._keep_warning  # the owner's warnings go to this rank
@@ -142,7 +157,7 @@ class RankServer(Server):
         owner = self.owner
         key = (name, *m["args"], m["after"], owner.generation)
         does = name == "checkpoint" or self.rank == 0  # a snapshot: rank 0 made its folder
-        self.reply(self.job.once(key, lambda: getattr(owner, name)(*m["args"]), does=does))
+        self.reply(self._once(key, lambda: getattr(owner, name)(*m["args"]), does=does))
 
     def do_load(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         owner = self.owner
@@ -151,7 +166,7 @@ class RankServer(Server):
             owner.load(Table.open(m["folder"], "r"))
             return owner.generation, owner.applied_step
 
-        self.reply(*self.job.once(("load", m["folder"], m["after"]), load))
+        self.reply(*self._once(("load", m["folder"], m["after"]), load))
 
     def do_close(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         """The last rank to close commits; every rank's reply waits for that commit."""
