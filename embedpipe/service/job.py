@@ -67,11 +67,11 @@ class Job:
         checkpoint again, into a folder it emptied) is done again. Called with ``lock`` held."""
         if self.done.get(key, (0,))[0] < nth:
             if does:
+                self.done.pop(key, None)  # the newest last, for the trim below
                 try:
                     self.done[key] = (nth, True, work())
                 except Exception as e:
                     self.done[key] = (nth, False, e)
-                self.done[key] = self.done.pop(key)  # the newest last
                 while len(self.done) > 64:  # a rank is at most a step or two behind rank 0
                     del self.done[next(iter(self.done))]
             else:
