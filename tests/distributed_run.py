@@ -15,6 +15,10 @@ Every run trains the tiny BERT of ``helpers.py`` with DDP on its dense weights, 
 - ``lose HOW``: rank 1 dies (``kill``) or hangs (``hang``) at step 3; rank 0 records the error it
   gets and how long it took.
 - ``mismatch``: rank 1 reads one batch more than rank 0.
+- ``noisy OWNER ...``: a dataset that draws word dropout from numpy's, torch's and ``random``'s
+  global generators in its workers (2 a rank), a shuffled ``DistributedSampler`` and the model's
+  own dropout, DDP + ``nn.Embedding`` + Adagrad with clipping against the pipe with each
+  ``owner`` (``FOLDER/noisy-OWNER/``): the tables, dense weights and every batch's ids.
 - ``frameworks``: ``transformers.Trainer`` with ``nn.Embedding`` (the reference, the settings
   of ``test_hf_trainer.py``), then ``embedpipe.hf.Trainer`` with checkpoints, then a run
   resumed from its first checkpoint into a fresh table, then ``evaluate`` and ``save_model``,
@@ -29,11 +33,13 @@ from __future__ import annotations
 import glob
 import json
 import os
+import random
 import shutil
 import signal
 import sys
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -322,6 +328,85 @@ def mismatch(folder: str) -> None:
         json.dump(outcome, f)
 
 
+class NoisySamples(torch.utils.data.Dataset):
+    """Samples whose ids a word dropout draws from every global generator, in ``__getitem__``
+    (so in the DataLoader's workers): numpy's picks the ids, torch's the replacements,
+    ``random``'s whether to reverse them."""
+
+    def __init__(self, samples: list[dict]) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict:
+        sample = dict(self.samples[i])
+        ids = sample["input_ids"].clone()
+        drop = torch.from_numpy(np.random.random(len(ids)) < 0.15)
+        ids[drop] = torch.randint(1, 1000, (int(drop.sum()),))
+        if random.random() < 0.5:
+            ids = ids.flip(0)
+        sample["input_ids"] = ids
+        return sample
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def noisy(folder: str, *owners: str) -> None:
+    """Both runs draw the same numbers in the same order: seeded after the model is made, then
+    DDP, the optimizers (and the pipe), the loader's workers and the model's dropout."""
+    samples = NoisySamples(data())
+
+    def train(model, embed, optimizers, loader) -> tuple[list, torch.nn.Module]:
+        ddp = DDP(model.train())  # train(): BERT's dropout draws in this process
+        seen = []
+        for batch in loader:
+            seen.append(batch["input_ids"].clone())
+            out = ddp(
+                **embed(batch), attention_mask=batch["attention_mask"], labels=batch["labels"]
+            )
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad()
+        return seen, model
+
+    model = tiny_model()
+    seed_everything(5)
+    emb = model.bert.embeddings.word_embeddings
+    optimizers = [
+        torch.optim.Adagrad([emb.weight], lr=LR["adagrad"]),
+        torch.optim.SGD(dense_parameters(model), lr=DENSE_LR),
+    ]
+    loader = DataLoader(samples, batch_size=BATCH, sampler=sampler(samples), num_workers=2)
+    reference_seen, _ = train(model, lambda b: {"input_ids": b["input_ids"]}, optimizers, loader)
+    reference, reference_dense = emb.weight.detach().clone(), dense_state(model)
+    for owner in owners:
+        model = offloaded_model(os.path.join(folder, f"noisy-{owner}.zarr"))
+        seed_everything(5)
+        pipe = make_pipe(os.path.join(folder, f"noisy-{owner}.zarr"), "adagrad", owner=owner)
+        loader = pipe.loader(samples, batch_size=BATCH, sampler=sampler(samples), num_workers=2)
+        seen, _ = train(
+            model,
+            lambda b: {"inputs_embeds": b["inputs_embeds"]},
+            [optimizer_for(model, pipe, "adagrad")],
+            loader,
+        )
+        pipe.flush()
+        table = pipe.table.to_tensor()
+        pipe.close()
+        result = {"reference": reference, "offloaded": table, "dense": dense_state(model)}
+        result["reference_dense"] = reference_dense
+        result["batches"] = [torch.equal(a, b) for a, b in zip(reference_seen, seen)]
+        result["count"] = (len(reference_seen), len(seen))
+        torch.save(result, os.path.join(folder, f"noisy-{owner}-rank{dist.get_rank()}.pt"))
+
+
 def frameworks(folder: str) -> None:
     """HF Trainer without and with accumulation, Lightning's DDP, an Accelerate loop."""
     runs = {
@@ -499,5 +584,6 @@ if __name__ == "__main__":
     mode, folder, *args = sys.argv[1:]
     modes = {"parity": parity, "resume": resume, "lose": lose, "mismatch": mismatch}
     modes["frameworks"] = frameworks
+    modes["noisy"] = noisy
     modes[mode](folder, *args)
     dist.destroy_process_group()

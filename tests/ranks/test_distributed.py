@@ -363,3 +363,20 @@ def test_ranks_that_make_different_pipes_raise_and_leave_the_table_free(made_pip
     assert mine.startswith("ValueError") and "make the same pipe on every rank" in mine, mine
     assert theirs.startswith("ShardMismatchError") and "rank 1 failed" in theirs, theirs
     embedpipe.Table.open(folder / f"{differ}.zarr", "r+").close()  # nothing left locked
+
+
+@pytest.mark.slow
+def test_random_samples_and_dropout_train_as_ddp_with_nn_embedding_with_either_owner(tmp_path):
+    """A dataset drawing word dropout from numpy's, torch's and ``random``'s generators in 2
+    workers a rank, a shuffled DistributedSampler, BERT's own dropout, Adagrad with clipping:
+    every batch's ids, the table and the dense weights as DDP + ``nn.Embedding``, on both ranks,
+    with each rank owning a shard (owner='thread') and with one owner process for both."""
+    torchrun("noisy", str(tmp_path), "thread", "process")
+    for owner in ("thread", "process"):
+        for rank in (0, 1):
+            result = torch.load(tmp_path / f"noisy-{owner}-rank{rank}.pt")
+            assert result["count"] == (8, 8) and all(result["batches"]), (owner, rank)
+            changed = (result["reference"] != result["offloaded"]).any(dim=1)
+            assert not changed.any(), f"{owner}, rank {rank}: {int(changed.sum())} rows differ"
+            for name, value in result["reference_dense"].items():
+                assert torch.equal(value, result["dense"][name]), (owner, rank, name)
