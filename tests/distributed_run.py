@@ -19,6 +19,9 @@ Every run trains the tiny BERT of ``helpers.py`` with DDP on its dense weights, 
   global generators in its workers (2 a rank), a shuffled ``DistributedSampler`` and the model's
   own dropout, DDP + ``nn.Embedding`` + Adagrad with clipping against the pipe with each
   ``owner`` (``FOLDER/noisy-OWNER/``): the tables, dense weights and every batch's ids.
+- ``two OWNER ...``: two tables, each in a torch optimizer of its own (Adagrad, SGD; SGD steps
+  first), read by two loaders zipped over the same batches, against DDP + two ``nn.Embedding``
+  (``FOLDER/two-OWNER-rankR.pt``).
 - ``frameworks``: ``transformers.Trainer`` with ``nn.Embedding`` (the reference, the settings
   of ``test_hf_trainer.py``), then ``embedpipe.hf.Trainer`` with checkpoints, then a run
   resumed from its first checkpoint into a fresh table, then ``evaluate`` and ``save_model``,
@@ -407,6 +410,74 @@ def noisy(folder: str, *owners: str) -> None:
         torch.save(result, os.path.join(folder, f"noisy-{owner}-rank{dist.get_rank()}.pt"))
 
 
+class TwoTables(torch.nn.Module):
+    """Two embeddings (or their rows, given) and a dense head: the loss of ``two``'s runs."""
+
+    def __init__(self, embeddings: bool) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.a, self.b = torch.nn.Embedding(1000, 8), torch.nn.Embedding(1000, 8)
+        self.head = torch.nn.Linear(8, 1)
+        if not embeddings:
+            del self.a, self.b
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "a"):
+            a, b = self.a(a), self.b(b)
+        return self.head(a * b.tanh()).square().mean()
+
+
+def two(folder: str, *owners: str) -> None:
+    samples = data()
+    reference = TwoTables(embeddings=True)
+    initial = {n: getattr(reference, n).weight.detach().clone() for n in "ab"}
+    ddp = DDP(reference)
+    optimizers = [
+        torch.optim.SGD([reference.b.weight], lr=LR["sgd"]),
+        torch.optim.Adagrad([reference.a.weight], lr=LR["adagrad"]),
+        torch.optim.SGD(reference.head.parameters(), lr=DENSE_LR),
+    ]
+    for batch in DataLoader(samples, batch_size=BATCH, sampler=sampler(samples)):
+        ddp(batch["input_ids"], batch["input_ids"]).backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    for owner in owners:
+        model = TwoTables(embeddings=False)
+        ddp = DDP(model)
+        paths = {n: os.path.join(folder, f"two-{owner}-{n}.zarr") for n in "ab"}
+        if dist.get_rank() == 0:
+            for n, path in paths.items():
+                embedpipe.Table.from_tensor(path, initial[n], chunk_rows=64).close()
+        dist.barrier()
+        pipes = {n: make_pipe(paths[n], o, owner=owner) for n, o in zip("ab", ("adagrad", "sgd"))}
+        optimizers = [
+            torch.optim.SGD([pipes["b"].parameter], lr=LR["sgd"]),
+            torch.optim.Adagrad([pipes["a"].parameter], lr=LR["adagrad"]),
+            torch.optim.SGD(model.parameters(), lr=DENSE_LR),
+        ]
+        loaders = [
+            pipes["a"].loader(samples, batch_size=BATCH, sampler=sampler(samples), num_workers=2),
+            pipes["b"].loader(samples, batch_size=BATCH, sampler=sampler(samples)),
+        ]
+        for a, b in zip(*loaders):
+            ddp(a["inputs_embeds"], b["inputs_embeds"]).backward()
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad()
+        result = {}
+        for n, pipe in pipes.items():
+            pipe.flush()
+            trained = pipe.table.to_tensor()
+            result[n] = (getattr(reference, n).weight.detach(), trained)
+            result[f"{n} moved"] = int((trained != initial[n]).any(dim=1).sum())
+            pipe.close()
+        result["head"] = [
+            torch.equal(x, y) for x, y in zip(reference.head.parameters(), model.head.parameters())
+        ]
+        torch.save(result, os.path.join(folder, f"two-{owner}-rank{dist.get_rank()}.pt"))
+
+
 def frameworks(folder: str) -> None:
     """HF Trainer without and with accumulation, Lightning's DDP, an Accelerate loop."""
     runs = {
@@ -585,5 +656,6 @@ if __name__ == "__main__":
     modes = {"parity": parity, "resume": resume, "lose": lose, "mismatch": mismatch}
     modes["frameworks"] = frameworks
     modes["noisy"] = noisy
+    modes["two"] = two
     modes[mode](folder, *args)
     dist.destroy_process_group()

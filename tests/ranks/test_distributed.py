@@ -380,3 +380,17 @@ def test_random_samples_and_dropout_train_as_ddp_with_nn_embedding_with_either_o
             assert not changed.any(), f"{owner}, rank {rank}: {int(changed.sum())} rows differ"
             for name, value in result["reference_dense"].items():
                 assert torch.equal(value, result["dense"][name]), (owner, rank, name)
+
+
+@pytest.mark.slow
+def test_two_tables_in_two_optimizers_train_as_ddp_with_two_nn_embeddings(tmp_path):
+    """Two pipes (Adagrad, SGD; SGD steps first), their loaders zipped, with each owner kind."""
+    torchrun("two", str(tmp_path), "thread", "process")
+    for owner in ("thread", "process"):
+        for rank in (0, 1):
+            result = torch.load(tmp_path / f"two-{owner}-rank{rank}.pt")
+            for name in "ab":
+                expected, got = result[name]
+                assert torch.equal(expected, got), (owner, rank, name)
+                assert result[f"{name} moved"] > 50  # it trained rows
+            assert all(result["head"]), (owner, rank)
