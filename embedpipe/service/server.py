@@ -52,6 +52,7 @@ from ..cache.ring import BatchRing
 from ..cache.shm import SharedBlock
 from ..owner.owner import Owner
 from ..store.lock import WriterLock
+from ..store.mapped import map_writes
 from ..store.table import Table
 from ..worker.looked_up import LookedUp
 from .channel import Channel, ChannelClosed
@@ -136,6 +137,7 @@ class Server:
             if optimizer is not None:
                 table._claim(m["description"])
                 table._prepare(optimizer, m["keep"])
+                map_writes(table)  # this process alone grows by what it maps
             policy = make_policy(m["policy"], m["cache_rows"], table.num_rows, 0)
             self.owner = ServedOwner(table, policy, optimizer, m["options"], owns_table=owns_table)
         except BaseException:

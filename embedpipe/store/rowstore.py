@@ -66,6 +66,7 @@ from zarr.storage import LocalStore
 
 from ..errors import CorruptTableError
 from .checkpoints import copy_sparse, unlink, write_all
+from .mapped import MappedChunks
 
 #: How many chunk files one reader keeps open (see the NOTE): well inside the process's limit on
 #: open files.
@@ -209,6 +210,17 @@ class RawRows(ZarrRows):
         self._nowait = bool(_NOWAIT)
         #: Rows that were not in the page cache when read (pass 2 of the NOTE), for benchmarks.
         self.rows_waited = 0
+        #: The chunk files mapped for writing, where the owner process writes (``map_writes``).
+        self.mapped: MappedChunks | None = None
+
+    def map_writes(self, limit: int) -> None:
+        """Write rows through mappings of their chunk files, at most ``limit`` bytes mapped
+        (NOTE [ Mapped row writes ] in ``mapped.py``); 0: one ``pwrite`` per row."""
+        self.mapped = (
+            MappedChunks(self._path, self.chunk_rows, self.dim, self.dtype.newbyteorder("<"), limit)
+            if limit
+            else None
+        )
 
     @staticmethod
     def supports(array: zarr.Array) -> str | None:
@@ -322,12 +334,18 @@ class RawRows(ZarrRows):
             done += got
 
     def write(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Write rows in place in their chunk files, one ``pwrite`` per row (see the NOTE); a
+        """Write rows in place in their chunk files, one ``pwrite`` per row (see the NOTE), or
+        through the chunk's mapping where the owner process maps them (``map_writes``); a
         chunk file shared with a checkpoint is copied first. Raises ``OSError`` on a full disk,
         after which some of the rows may be written and others not."""
         data = np.ascontiguousarray(rows, dtype=self.dtype.newbyteorder("<"))
+        view, rb = memoryview(data).cast("B"), self.row_bytes
         chunks, positions = group_by_chunk(ids, self.chunk_rows)
         for chunk, pos in zip(chunks, positions):
+            mapped = self.mapped.rows(chunk) if self.mapped is not None else None
+            if mapped is not None:  # in place, no system call
+                mapped[ids[pos] - chunk * self.chunk_rows] = data[pos]
+                continue
             pos = pos[np.argsort(ids[pos])]  # ascending offsets within the file
             path = self._path(chunk)
             fd, copy = self._open_private(chunk)
@@ -335,9 +353,7 @@ class RawRows(ZarrRows):
                 self._rewrite_chunk(chunk, ids[pos], rows[pos])
                 continue
             try:
-                for i in pos.tolist():
-                    offset = int(ids[i] - chunk * self.chunk_rows) * self.row_bytes
-                    write_all(fd, data[i].data, offset)
+                self._write_rows(fd, view, pos, (ids[pos] - chunk * self.chunk_rows) * rb)
                 if copy is not None:
                     os.replace(copy, path)
             except BaseException:
@@ -346,6 +362,14 @@ class RawRows(ZarrRows):
                 raise
             finally:
                 os.close(fd)
+
+    def _write_rows(self, fd: int, view: memoryview, rows: np.ndarray, offsets: np.ndarray) -> None:
+        """Row ``rows[k]`` of ``view`` at byte ``offsets[k]`` of ``fd``, one ``pwrite`` each: the
+        loop is the cost (a system call per row), so it does no other work per row."""
+        rb = self.row_bytes
+        for start, offset in zip((rows * rb).tolist(), offsets.tolist()):
+            if os.pwrite(fd, view[start : start + rb], offset) != rb:  # short: finish it
+                write_all(fd, view[start : start + rb], offset)
 
     def _open_private(self, chunk: int) -> tuple[int, str | None]:
         """The chunk's file open for writing, and None; or, if a checkpoint shares the file, a
@@ -423,9 +447,12 @@ class RawRows(ZarrRows):
         return state
 
 
-def row_access(array: zarr.Array, *, complete: bool = True) -> ZarrRows:
-    """The fastest row reader/writer that handles ``array``."""
+def row_access(array: zarr.Array, complete: bool = True, mapped_bytes: int = 0) -> ZarrRows:
+    """The fastest row reader/writer that handles ``array``; ``mapped_bytes``: see
+    :meth:`RawRows.map_writes`."""
     root = RawRows.supports(array)
     if root is None:
         return ZarrRows(array, complete=complete)
-    return RawRows(array, root, complete=complete)
+    rows = RawRows(array, root, complete=complete)
+    rows.map_writes(mapped_bytes)
+    return rows

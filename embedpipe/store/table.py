@@ -61,6 +61,8 @@ class Table:
     DataLoader workers get their own handle.
     """
 
+    _mapped_bytes = 0  # chunk file bytes an array keeps mapped to write rows (mapped.py)
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -240,11 +242,10 @@ class Table:
     def write(self, ids: Any, rows: Any, name: str = WEIGHT) -> None:
         """Write ``rows[i]`` to row ``ids[i]``; durable at the next :meth:`checkpoint`.
 
-        Uncompressed local tables write each row in place (one ``pwrite``; a chunk shared with
-        a checkpoint is copied first); other tables rewrite every chunk the ids fall in,
-        atomically. ``ids`` must be unique; ``rows`` must have shape ``(len(ids), dim)`` and the
-        array's dtype exactly (no silent casts). Everything is checked before the first byte is
-        written.
+        Uncompressed local tables write rows in place (a chunk shared with a checkpoint is
+        copied first), others rewrite every chunk the ids fall in, atomically. ``ids`` must be
+        unique; ``rows`` must have shape ``(len(ids), dim)`` and the array's dtype exactly (no
+        silent casts). Everything is checked before the first byte is written.
         """
         self._check_writable()
         array = self._array(name)
@@ -473,8 +474,8 @@ class Table:
             if name != WEIGHT and name not in self.state_names and not known:
                 raise KeyError(f"no state array {name!r} in {self.path}; it has {self.state_names}")
             array = self._group[key].with_config({"write_empty_chunks": True})
-            complete = self._meta.get("format_version") != 1
-            rows = self._rows[name] = row_access(array, complete=complete)
+            complete = self._meta.get("format_version") != 1  # format 1: chunks may be missing
+            rows = self._rows[name] = row_access(array, complete, self._mapped_bytes)
         return rows
 
     def _store(self, ids: np.ndarray, rows: np.ndarray, name: str = WEIGHT) -> None:

@@ -250,7 +250,10 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_full_disk_raises_naming_table_and_step_and_the_last_checkpoint_survives(small_disk):
+@pytest.mark.parametrize("owner", ["thread", "process"])  # the process writes through mappings
+def test_a_full_disk_raises_naming_table_and_step_and_the_last_checkpoint_survives(
+    small_disk, owner
+):
     # 4096 x 64 float32 = 1 MiB of weights + 1 MiB of Adagrad state on a 3 MiB disk: the first
     # checkpoint fits, then copy-on-write of the chunks that training touches runs out of space.
     rows, dim = 4096, 64
@@ -259,7 +262,7 @@ def test_a_full_disk_raises_naming_table_and_step_and_the_last_checkpoint_surviv
     embedpipe.Table.from_tensor(path, weight, chunk_rows=256).close()
     rng = np.random.default_rng(1)
     data = [{"input_ids": torch.from_numpy(rng.integers(0, rows, 64))} for _ in range(40)]
-    pipe = EmbeddingPipe(path, cache_rows=0, optimizer=embedpipe.optim.Adagrad(lr=0.5))
+    pipe = EmbeddingPipe(path, cache_rows=0, optimizer=embedpipe.optim.Adagrad(lr=0.5), owner=owner)
     committed = 0
     with pytest.raises(OSError) as raised:
         for k, batch in enumerate(pipe.loader(data, batch_size=1), start=1):
