@@ -79,21 +79,19 @@ class MappedChunks:
         except FileNotFoundError:
             return None
         with self._lock:
+            if stat.st_nlink != 1:  # shared with a checkpoint: the caller copies it first
+                self._maps.pop(chunk, None)
+                return None
             held = self._maps.get(chunk)
-            if stat.st_nlink != 1 or (held is not None and held[0] != stat.st_ino):
-                self._maps.pop(chunk, None)  # shared with a checkpoint, or replaced
-                held = None
-                if stat.st_nlink != 1:
-                    return None
-            if held is None:
+            if held is None or held[0] != stat.st_ino:  # not mapped yet, or replaced since
                 held = self._map(path, stat.st_size)
                 if held is None:
+                    self._maps.pop(chunk, None)
                     return None
                 self._maps[chunk] = held
                 while len(self._maps) > self.most:
                     self._maps.popitem(last=False)  # unmapped once no write uses it
-            else:
-                self._maps.move_to_end(chunk)
+            self._maps.move_to_end(chunk)
             return np.frombuffer(held[1], dtype=self.dtype).reshape(self.shape)
 
     def _map(self, path: str, size: int) -> tuple[int, mmap.mmap] | None:
@@ -112,19 +110,6 @@ class MappedChunks:
             return os.fstat(fd).st_ino, mmap.mmap(fd, size)  # MAP_SHARED, read and write
         finally:
             os.close(fd)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._maps.clear()
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_maps"], state["_lock"] = OrderedDict(), None  # maps do not cross processes
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
 
 def map_writes(table, limit: int = MAPPED_BYTES) -> None:

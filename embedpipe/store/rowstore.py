@@ -10,8 +10,8 @@ the general zarr API, which rewrites every chunk it touches.
 
 Costs (measured by ``scripts/bench_table.py``, see ``docs/table-format.md``, and by the cold-disk
 section of the benchmark, ``docs/cold-reads.md``): ``RawRows.read`` costs a ``stat`` per chunk
-touched and a system call per row; ``RawRows.write`` a system call per row; ``ZarrRows.write``
-rewrites every chunk it touches in full.
+touched and a system call per row; ``RawRows.write`` a system call per row (none through a
+mapping, ``mapped.py``); ``ZarrRows.write`` rewrites every chunk it touches in full.
 
 NOTE [ Raw chunk reads and writes ]
 A reader keeps each chunk file it touched open, keyed by the file's inode, and stats the chunk's
@@ -39,8 +39,9 @@ Where ``RWF_NOWAIT`` is not supported (not Linux, or a file system that refuses 
 takes pass 2, one blocking read at a time. No threads, so nothing to restart in a forked
 DataLoader worker: inherited file descriptors read as well in the child.
 
-Row writes (``write``) go in place, one ``pwrite`` per row, and are visible to every reader at
-once, with one exception: a chunk file that is also part of a committed checkpoint (its link
+Row writes (``write``) go in place, one ``pwrite`` per row (in the owner process through the
+chunk's mapping: NOTE [ Mapped row writes ] in ``mapped.py``), and are visible to every reader
+at once, with one exception: a chunk file that is also part of a committed checkpoint (its link
 count is above 1, see NOTE [ Checkpoint commit ] in ``checkpoints.py``) is first copied and the
 copy renamed over the live name, so a checkpoint never changes; readers notice the new inode.
 Replacing whole chunks instead would rewrite ``chunk_rows`` rows for every scattered row
@@ -444,6 +445,7 @@ class RawRows(ZarrRows):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_files"] = OrderedDict()  # file descriptors do not cross processes
+        state["mapped"] = None  # nor mappings: only the owner process maps
         return state
 
 
