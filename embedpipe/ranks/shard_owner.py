@@ -92,6 +92,9 @@ class ShardOwner(Owner):
         )
         super()._add_gradient(union, total)
 
+    def stats(self) -> dict[str, int]:
+        return {**super().stats(), **self.shards.bytes}  # this rank's exchanges' bytes
+
     # ------------------------------------------------------------------------- checkpoints
     def _begin(self, doing: int) -> None:
         self.shards.begin(doing, self.writeback.submitted, self.generation)

@@ -14,10 +14,11 @@ own (rows live in host memory; DDP's traffic on the default group is never inter
   for its writeback to apply the steps submitted so far, so the rows are those an ``nn.Embedding``
   replicated by DDP would hold at that moment.
 - **gradient** (in backward, when the rows' gradient arrives: ``ShardOwner._add_gradient``):
-  every rank gathers every rank's (ids, gradient) and sums them, each scaled by 1/N, in rank
-  order: DDP's averaged gradient of a replicated ``nn.Embedding``, restricted to the rows that
-  have one. Every rank then holds the same ``pipe.parameter.grad``, so ``clip_grad_norm_``
-  computes the norm DDP would on every rank, and accumulation adds as ``.grad`` does.
+  every rank's gradient rows, each scaled by 1/N and summed in rank order: DDP's averaged
+  gradient of a replicated ``nn.Embedding``, restricted to the rows that have one, by a sparse
+  all-reduce (NOTE [ The gradient's sparse all-reduce ]). Every rank then holds the same
+  ``pipe.parameter.grad``, so ``clip_grad_norm_`` computes the norm DDP would on every rank,
+  and accumulation adds as ``.grad`` does.
 - **step**: no message. Every rank takes the same gradient at the same optimizer step; each owner
   applies the rows of its shard and ignores the others.
 
@@ -54,6 +55,31 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PeerLostError, ShardMismatchError
+
+# NOTE [ The gradient's sparse all-reduce ]
+# DDP all-reduces a replicated table's dense (V, D) gradient: 2 (N-1)/N x V x D values a rank
+# sends. The pipe's gradient is sparse (U rows a rank); gathering every rank's rows to every
+# rank grows with N ((N-1) x U rows a rank receives). So, per backward pass:
+#
+#   1. every rank's ids to every rank (``all_gather``, 8 bytes an id): each rank now knows the
+#      union and what every rank would send, and so does the same as every other below;
+#   2. the rows by whichever moves fewer over all ranks:
+#      - a gather: every rank's rows to every rank (padded to the largest), N (N-1) x max U;
+#      - a sparse all-reduce: a reduce-scatter, each row to the rank that sums it (row ``r`` on
+#        rank ``r mod N``: interleaved, so a vocabulary sorted by frequency spreads its hot rows
+#        over every rank), then an all-gather of the sums, every rank's to every rank: about
+#        (N-1)/N x N U + (N-1) x union.
+#      Either way each row is summed over the ranks, each times 1/N, in rank order (one
+#      ``index_add_`` over the rows in rank order: the same float operations in the same
+#      order), so the result is bit for bit the same, and every rank ends with it whole.
+#
+# With the sparse all-reduce a rank sends about (N-1)/N x (U + union) rows and receives as
+# many: at most U + V rows whatever N is, against DDP's 2 (N-1)/N x V; only the ids (8 bytes
+# each, against a row's D x 4) grow with N. The gather wins at 2 or 3 ranks, or when the
+# ranks' batches share few ids. Every rank ends with the whole averaged gradient, bit for bit what the gather gave, so
+# ``clip_grad_norm_`` computes DDP's global norm from ``pipe.parameter.grad`` as before (a
+# reduce-scatter alone, U rows a rank, would leave each rank a part of it: a norm computed from
+# parts sums in another order than torch's, and the clipped table would differ in rounding).
 
 #: What a rank does in an exchange (the header's first value); every rank must do the same.
 ROWS, GRADIENT, COMMIT, LOAD, CLOSE, FLUSH = 1, 2, 3, 4, 5, 6
@@ -142,6 +168,17 @@ class Shards:
         self.bounds = np.zeros(self.size + 1, dtype=np.int64)
         #: The first failure (a peer lost, ranks out of step): every later exchange raises it.
         self.lost: PeerLostError | ShardMismatchError | None = None
+        #: Bytes of ids, rows and gradients this rank sent to and received from the others,
+        #: by exchange (``pipe.stats()``: ``rows_sent_bytes``, ...); headers not counted.
+        self.bytes = dict.fromkeys(
+            (
+                "rows_sent_bytes",
+                "rows_received_bytes",
+                "gradient_sent_bytes",
+                "gradient_received_bytes",
+            ),
+            0,
+        )
 
     @property
     def leader(self) -> bool:
@@ -172,6 +209,10 @@ class Shards:
         return f"rank {self.rank} of {self.size} (rows {lo:,} to {hi:,})"
 
     # --------------------------------------------------------------------------- exchanges
+    def _count(self, exchange: str, sent: int, received: int) -> None:
+        self.bytes[f"{exchange}_sent_bytes"] += int(sent)
+        self.bytes[f"{exchange}_received_bytes"] += int(received)
+
     def _call(self, what: str, collective: Callable[[], Any]) -> Any:
         """Run a collective; a peer that died or hangs becomes a PeerLostError (see the NOTE)."""
         if self.lost is not None:
@@ -259,6 +300,12 @@ class Shards:
                 got, answer, counts.tolist(), to_me.tolist(), group=self.group
             ),
         )
+        row_bytes = dim * answer.element_size()  # ``wanted`` holds no id of this rank's
+        self._count(
+            "rows",
+            len(wanted) * 8 + len(served) * row_bytes,
+            len(served) * 8 + len(wanted) * row_bytes,
+        )
         if failed is not None:
             self.lost = ShardMismatchError(
                 f"{self.describe()} failed to serve its rows to the other ranks "
@@ -271,29 +318,90 @@ class Shards:
         self, step: int, generation: int, ids: torch.Tensor, grad: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every rank's (ids, gradient), each gradient times 1/N and summed in rank order: the
-        average DDP takes, over the union of the ranks' ids (sorted). Same on every rank."""
-        counts = self._header(GRADIENT, step, generation, [len(ids)])[:, 0]
-        top = int(counts.max())
-        device, dtype, dim = grad.device, grad.dtype, grad.shape[1]
+        average DDP takes, over the union of the ranks' ids (sorted). Same on every rank.
+
+        The ids go to every rank first; then the rows by whichever of a gather and a sparse
+        all-reduce moves fewer (NOTE [ The gradient's sparse all-reduce ])."""
+        counts = self._header(GRADIENT, step, generation, [len(ids)])[:, 0].tolist()
+        n, top = self.size, max(counts)
         padded_ids = torch.zeros(top, dtype=torch.int64)
         padded_ids[: len(ids)] = ids
-        padded = torch.zeros(top, dim, dtype=dtype)
-        padded[: len(ids)] = grad.detach().to("cpu")
-        all_ids = [torch.empty_like(padded_ids) for _ in range(self.size)]
-        all_grads = [torch.empty_like(padded) for _ in range(self.size)]
+        all_ids = [torch.empty_like(padded_ids) for _ in range(n)]
+        self._call(_DOING[GRADIENT], lambda: dist.all_gather(all_ids, padded_ids, group=self.group))
+        self._count("gradient", (n - 1) * top * 8, (n - 1) * top * 8)
+        every = [t[:c].numpy() for t, c in zip(all_ids, counts)]
+        union = np.unique(np.concatenate(every))
+        # rows sent over every rank: a gather pads each rank's to the largest; the sparse
+        # all-reduce sends the rows another rank sums, then each sum to every other rank
+        gathered = n * (n - 1) * top
+        reduced = sum(int((e % n != r).sum()) for r, e in enumerate(every)) + (n - 1) * len(union)
+        rows = grad.detach().to("cpu")
+        total = (
+            self._gather(every, top, rows, union)
+            if gathered <= reduced
+            else self._reduce(every, rows, union)
+        )
+        return torch.from_numpy(union), total.to(grad.device)
+
+    def _gather(
+        self, every: list[np.ndarray], top: int, rows: torch.Tensor, union: np.ndarray
+    ) -> torch.Tensor:
+        """Every rank's rows to every rank (padded to the largest), summed here."""
+        padded = torch.zeros(top, rows.shape[1], dtype=rows.dtype)
+        padded[: len(rows)] = rows
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        self._call(_DOING[GRADIENT], lambda: dist.all_gather(parts, padded, group=self.group))
+        moved = (self.size - 1) * padded.numel() * padded.element_size()
+        self._count("gradient", moved, moved)
+        every_grad = torch.cat([t[: len(e)] for t, e in zip(parts, every)])
+        where = torch.from_numpy(np.searchsorted(union, np.concatenate(every)))
+        total = torch.zeros(len(union), rows.shape[1], dtype=rows.dtype)
+        return total.index_add_(0, where, every_grad * (1.0 / self.size))  # divide, then sum
+
+    def _reduce(
+        self, every: list[np.ndarray], rows: torch.Tensor, union: np.ndarray
+    ) -> torch.Tensor:
+        """Each row summed by rank ``row mod N``, the sums sent to every rank."""
+        n, me, dim, dtype = self.size, self.rank, rows.shape[1], rows.dtype
+        row_bytes = dim * rows.element_size()
+        # this rank's rows, grouped by the rank that sums them (stable: each group keeps its order)
+        order = np.argsort(every[me] % n, kind="stable")
+        sends = np.bincount(every[me] % n, minlength=n)
+        gets = np.array([int((e % n == me).sum()) for e in every])
+        parts = torch.empty((int(gets.sum()), dim), dtype=dtype)
+        mine = rows[torch.from_numpy(order)]
         self._call(
             _DOING[GRADIENT],
-            lambda: (
-                dist.all_gather(all_ids, padded_ids, group=self.group),
-                dist.all_gather(all_grads, padded, group=self.group),
+            lambda: dist.all_to_all_single(
+                parts, mine, gets.tolist(), sends.tolist(), group=self.group
             ),
         )
-        every_id = torch.cat([t[:n] for t, n in zip(all_ids, counts.tolist())])
-        every_grad = torch.cat([t[:n] for t, n in zip(all_grads, counts.tolist())])
-        union, where = torch.unique(every_id, return_inverse=True)
-        total = torch.zeros(len(union), dim, dtype=dtype)
-        total.index_add_(0, where, every_grad * (1.0 / self.size))  # as DDP: divide, then sum
-        return union, total.to(device)
+        self._count(
+            "gradient", (sends.sum() - sends[me]) * row_bytes, (gets.sum() - gets[me]) * row_bytes
+        )
+        # this rank's sums, in rank order: the float operations of one index_add_ over every
+        # rank's rows, for these rows
+        owner = union % n
+        summed_ids = union[owner == me]
+        got_ids = np.concatenate([e[e % n == me] for e in every])
+        summed = torch.zeros(len(summed_ids), dim, dtype=dtype)
+        where = torch.from_numpy(np.searchsorted(summed_ids, got_ids))
+        summed.index_add_(0, where, parts * (1.0 / n))  # as DDP: divide, then sum
+        # every rank's sums to every rank
+        sizes = np.bincount(owner, minlength=n)
+        out = torch.empty((len(union), dim), dtype=dtype)
+        self._call(
+            _DOING[GRADIENT],
+            lambda: dist.all_to_all_single(
+                out, summed.repeat(n, 1), sizes.tolist(), [len(summed_ids)] * n, group=self.group
+            ),
+        )
+        self._count(
+            "gradient", (n - 1) * len(summed_ids) * row_bytes, (len(union) - sizes[me]) * row_bytes
+        )
+        total = torch.empty_like(out)
+        total[torch.from_numpy(np.argsort(owner, kind="stable"))] = out  # back in id order
+        return total
 
     def begin(self, doing: int, step: int, generation: int) -> None:
         """The header of an exchange that moves no tensors (a checkpoint, a load, close)."""

@@ -97,6 +97,9 @@ class RankOwner(RemoteOwner):
         union, total = self.shards.gradient(self.submitted, self.generation, unique_ids, grad)
         super()._add_gradient(union, total)
 
+    def stats(self) -> dict[str, int]:
+        return {**super().stats(), **self.shards.bytes}  # this rank's exchanges' bytes
+
     def submit(self, ids: torch.Tensor, grad: torch.Tensor, lr: float | None) -> None:
         if self.shards.leader:
             super().submit(ids, grad, lr)

@@ -155,7 +155,14 @@ def test_distributed_summary():
         pipe = [*pipe, [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 6.0, unique, 50]]  # an outlier
         # load, read, backward, all-reduce, step, total; unique
         rep = [[0.01, 0.01, 0.02, 0.05, 0.03, 0.12, unique]] * 4
-        counters = {"remote_rows": 4 * remote, "served_rows": 4 * served}
+        counters = {
+            "remote_rows": 4 * remote,
+            "served_rows": 4 * served,
+            "rows_sent_bytes": 4 * 100,
+            "rows_received_bytes": 4 * 200,
+            "gradient_sent_bytes": 4 * 1000,
+            "gradient_received_bytes": 4 * 3000,
+        }
         return {"rank": r, "owned": [r * 8, r * 8 + 8], "pipe": pipe, "replicated": rep,
                 "pipe_rates": [5.0, 6.0], "rep_rates": [10.0, 10.0], "counters": counters}  # fmt: skip
 
@@ -167,9 +174,8 @@ def test_distributed_summary():
     assert p["lookup_rows_per_s"] == pytest.approx(30 / 0.03)
     assert p["writeback_rows_per_s"] == pytest.approx(50 / 0.07)
     assert p["steps_per_s"] == pytest.approx(10) and p["exchange_ms"] == pytest.approx(15)
-    gradient = 1 * 40 * (8 + 16)  # the other rank's part, padded to the larger (40 rows)
-    assert p["sent_bytes"] == pytest.approx(5 * 8 + 7 * 16 + gradient)
-    assert p["received_bytes"] == pytest.approx(7 * 8 + 5 * 16 + gradient)
+    assert p["sent_bytes"] == 1100 and p["received_bytes"] == 3200  # the counters, per step
+    assert p["gradient_sent_bytes"] == 1000
     assert q["steps_per_s"] == pytest.approx(1 / 0.12) and q["exchange_ms"] == pytest.approx(50)
     assert q["writeback_rows_per_s"] == pytest.approx(50 / 0.1)
     assert q["sent_bytes"] == q["received_bytes"] == 16 * 16  # 2 (N - 1) / N x V x D x 4

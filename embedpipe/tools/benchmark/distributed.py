@@ -37,14 +37,13 @@ from tqdm.auto import tqdm
 from ...store.layout import default_chunk_rows
 from ...store.table import Table
 from . import report as md
-from .distributed_rank import PIPE_COLUMNS, REPLICATED_COLUMNS
+from .distributed_rank import EXCHANGE_BYTES, PIPE_COLUMNS, REPLICATED_COLUMNS
 from .options import fraction, integer
 
 NAME = "distributed"
 #: The driver runs this section only when the option of this name is set (``--distributed``).
 OPT_IN = "distributed"
 QUICK = {"dist_rounds": 3, "dist_block": 4, "dist_warmup": 2}
-ID_BYTES = 8  # int64 ids
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,23 +138,19 @@ def _rates(rows: list[list[float]], rows_at: int, seconds_at: list[int]) -> floa
 
 def summarise(raw: dict[str, Any], vocab: int, dim: int) -> dict[str, Any]:
     """Per-rank medians of one launch's records (``distributed_rank``'s output); bytes per step
-    from the counters and shapes: the rows exchange sends ids of remote rows and rows served,
-    the gradient exchange all-gathers every rank's (ids, rows) padded to the largest."""
+    from the pipe's counters of what its exchanges sent and received (ids, rows, gradients)."""
     n, ranks = raw["world"], raw["ranks"]
     p = {c: i for i, c in enumerate(PIPE_COLUMNS)}
     q = {c: i for i, c in enumerate(REPLICATED_COLUMNS)}
     unique, union = len(PIPE_COLUMNS), len(PIPE_COLUMNS) + 1  # after the seconds
     rep_unique = len(REPLICATED_COLUMNS)
-    row_bytes = dim * 4  # float32
     steps = len(ranks[0]["pipe"])
-    # the gradient exchange pads every rank's part to the largest of the step
-    top = [max(r["pipe"][s][unique] for r in ranks) for s in range(steps)]
-    gradient_bytes = (n - 1) * statistics.mean(top) * (ID_BYTES + row_bytes)
-    ring = 2 * (n - 1) / n * vocab * row_bytes  # a ring all-reduce of the dense gradient
+    ring = 2 * (n - 1) / n * vocab * dim * 4  # a ring all-reduce of the dense gradient
     out = []
     for r in ranks:
         pipe, rep, c = r["pipe"], r["replicated"], r["counters"]
         served, remote = c["served_rows"] / steps, c["remote_rows"] / steps
+        moved = {k: c.get(k, 0) / steps for k in EXCHANGE_BYTES}
         i, j = p["rows_exchange"], p["gradient_exchange"]
         out.append(
             {
@@ -169,8 +164,10 @@ def summarise(raw: dict[str, Any], vocab: int, dim: int) -> dict[str, Any]:
                     "exchange_ms": 1e3 * statistics.median(x[i] + x[j] for x in pipe),
                     "rows_exchange_ms": 1e3 * _med(pipe, p["rows_exchange"]),
                     "gradient_exchange_ms": 1e3 * _med(pipe, p["gradient_exchange"]),
-                    "sent_bytes": remote * ID_BYTES + served * row_bytes + gradient_bytes,
-                    "received_bytes": served * ID_BYTES + remote * row_bytes + gradient_bytes,
+                    "sent_bytes": moved["rows_sent_bytes"] + moved["gradient_sent_bytes"],
+                    "received_bytes": moved["rows_received_bytes"]
+                    + moved["gradient_received_bytes"],
+                    "gradient_sent_bytes": moved["gradient_sent_bytes"],
                     "remote_rows": remote,
                     "served_rows": served,
                     "union_rows": statistics.median(x[union] for x in pipe),
@@ -254,7 +251,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         "next(loader) + reading inputs_embeds (the rows exchange); writeback = backward (the "
         "gradient exchange) + step + this rank's apply, as rows of the step's averaged gradient "
         "per second; exchange ms: rows + gradient exchange (replicated: all-reduce and / N); bytes "
-        "per step per rank from the counters and shapes (replicated: a ring all-reduce of the "
+        "per step per rank from the pipe's counters (replicated: a ring all-reduce of the "
         "dense gradient). vs replicated: steps/s over a dense nn.Embedding replicated on the "
         "same ranks, gradient all-reduced, torch SGD, taken per round (median, quartiles); vs 1 "
         "rank: steps/s over the 1-rank pipe's, from its own launch.\n"

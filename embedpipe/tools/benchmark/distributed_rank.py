@@ -127,7 +127,17 @@ class PipeLoop:
 
     def counters(self) -> dict[str, int]:
         stats = self.pipe.stats()
-        return {k: stats[k] for k in ("remote_rows", "served_rows", "steps", "batches")}
+        keys = ("remote_rows", "served_rows", "steps", "batches", *EXCHANGE_BYTES)
+        return {k: stats.get(k, 0) for k in keys}  # one rank exchanges no bytes
+
+
+#: The pipe's counters of the bytes a rank's exchanges send and receive (``Shards.bytes``).
+EXCHANGE_BYTES = (
+    "rows_sent_bytes",
+    "rows_received_bytes",
+    "gradient_sent_bytes",
+    "gradient_received_bytes",
+)
 
 
 class ReplicatedLoop:
