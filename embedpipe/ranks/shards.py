@@ -421,6 +421,12 @@ class Shards:
             raise ShardMismatchError(f"rank {rank} failed {what}: {message}")
         return outcomes[0][1]
 
+    def every(self, value: Any, what: str) -> list[Any]:
+        """Every rank's ``value`` (small: pickled), in rank order."""
+        values: list[Any] = [None] * self.size
+        self._call(what, lambda: dist.all_gather_object(values, value, group=self.group))
+        return values
+
     def close(self) -> None:
         if self.lost is None:
             with contextlib.suppress(RuntimeError, ValueError):  # gone with the default group

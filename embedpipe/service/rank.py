@@ -8,12 +8,14 @@ it. From then on each rank talks to the owner as one training process does (``cl
 with two differences:
 
 - **backward** averages the table's gradient over the ranks as DDP averages a replicated
-  ``nn.Embedding``'s (``Shards.gradient``: each gradient times 1/N, summed in rank order), so
-  ``pipe.parameter.grad``, a global norm and the optimizer step are the same on every rank;
+  ``nn.Embedding``'s (each gradient times 1/N, summed in rank order), through shared memory
+  (``ranks/machine.py``), so ``pipe.parameter.grad``, a global norm and the optimizer step are
+  the same on every rank;
 - **the step** is sent by rank 0 alone; the other ranks count it, and their requests wait in
   the owner for rank 0's step (``after``).
 
-Every rank's DataLoader workers read the one shared cache: no rank sends another rows.
+Every rank's DataLoader workers read the one shared cache and the gradient goes through shared
+memory: no rank sends another rows.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import DistributedNotSupportedError
+from ..ranks.machine import MachineGradient
 from ..ranks.shard_owner import writer_on_rank_0
 from ..ranks.shards import Shards
 from ..store.table import Table
@@ -40,6 +43,7 @@ class RankOwner(RemoteOwner):
 
     def __init__(self, shards: Shards, *args: Any, **kwargs: Any) -> None:
         self.shards = shards
+        self.machine: MachineGradient | None = None  # the ranks' shared gradient memory
         super().__init__(*args, **kwargs)
 
     def _open(self, opening: dict[str, Any]) -> Any:
@@ -78,6 +82,8 @@ class RankOwner(RemoteOwner):
                 except BaseException as e:
                     error = e
             shards.agree(error, "joining the owner process of the ranks")
+            # NOTE [ The gradient through shared memory ] in ``ranks/machine.py``
+            self.machine = MachineGradient.make(shards, self.table.num_rows, self.table.dim)
         except BaseException:
             shards.close()
             raise
@@ -94,7 +100,8 @@ class RankOwner(RemoteOwner):
 
     def _add_gradient(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
         """Every rank's gradient, averaged as DDP does: the same pending gradient everywhere."""
-        union, total = self.shards.gradient(self.submitted, self.generation, unique_ids, grad)
+        exchange = self.machine if self.machine is not None else self.shards
+        union, total = exchange.gradient(self.submitted, self.generation, unique_ids, grad)
         super()._add_gradient(union, total)
 
     def stats(self) -> dict[str, int]:
@@ -111,6 +118,7 @@ class RankOwner(RemoteOwner):
             super().close(raise_errors)
         finally:
             if self.closed:
+                self.machine = None  # its blocks: unmapped when collected
                 self.shards.close()
 
 

@@ -46,6 +46,8 @@ def test_two_ranks_sharing_one_owner_process_train_the_table_ddp_trains(runs, ru
     stats = result["stats"]
     assert stats["batches"] == 16  # both ranks' batches, through the one owner
     assert stats["remote_rows"] == 0 and stats["served_rows"] == 0  # no rows between ranks
+    moved = ("rows_sent_bytes", "rows_received_bytes", "gradient_sent_bytes")
+    assert [stats[k] for k in moved] == [0, 0, 0]  # the gradient through shared memory
     assert result["unflushed"] == "no error"  # one owner: a read flushes it, on any rank
     assert torch.equal(result["flushed"], result["offloaded"])
 
