@@ -15,6 +15,8 @@ Every run trains the tiny BERT of ``helpers.py`` with DDP on its dense weights, 
 - ``lose HOW``: rank 1 dies (``kill``) or hangs (``hang``) at step 3; rank 0 records the error it
   gets and how long it took.
 - ``mismatch``: rank 1 reads one batch more than rank 0.
+- ``owner_dies``: owner processes on two machines; the last rank kills its machine's owner
+  process at step 3, after a checkpoint at step 2; every rank records its error.
 - ``noisy OWNER ...``: a dataset that draws word dropout from numpy's, torch's and ``random``'s
   global generators in its workers (2 a rank), a shuffled ``DistributedSampler`` and the model's
   own dropout, DDP + ``nn.Embedding`` + Adagrad with clipping against the pipe with each
@@ -155,6 +157,18 @@ def run(ddp, model, pipe, opt, workers: int, clip: float, steps: range, die_at: 
             break
 
 
+def train_step(ddp, opt, batch) -> None:
+    """One step of the offloaded model on ``batch``, no clipping."""
+    out = ddp(
+        inputs_embeds=batch["inputs_embeds"],
+        attention_mask=batch["attention_mask"],
+        labels=batch["labels"],
+    )
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def dense_state(model: torch.nn.Module) -> dict:
     return {
         n: p.detach().clone() for n, p in model.named_parameters() if "word_embeddings" not in n
@@ -293,24 +307,52 @@ def lose(folder: str, how: str) -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(3600)
             start = time.monotonic()
-            out = ddp(
-                inputs_embeds=batch["inputs_embeds"],
-                attention_mask=batch["attention_mask"],
-                labels=batch["labels"],
-            )
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad()
+            train_step(ddp, opt, batch)
         outcome = {"error": None}
     except Exception as e:
         outcome = {"error": type(e).__name__, "message": str(e), "after": time.monotonic() - start}
+    report_and_exit(folder, pipe, outcome)
+
+
+def report_and_exit(folder: str, pipe: embedpipe.EmbeddingPipe, outcome: dict) -> None:
+    """Close the pipe (its error, if any, goes into ``outcome``), write this rank's outcome to
+    ``FOLDER/rankR.json`` and exit at once: a peer is gone, do not wait for it at exit."""
     try:
         pipe.close()
     except Exception as e:
         outcome["close"] = type(e).__name__
     with open(os.path.join(folder, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(outcome, f)
-    os._exit(0)  # the default group's peer is gone: do not wait for it at exit
+    os._exit(0)
+
+
+def owner_dies(folder: str) -> None:
+    """Owner processes on two machines (``PIPE_OWNER=process``, a torchrun agent a machine):
+    after a checkpoint at step 2, the last rank kills its machine's owner process at step 3;
+    every rank records the error it gets and how long after the kill, then exits."""
+    path = os.path.join(folder, "table.zarr")
+    model = offloaded_model(path)
+    ddp = DDP(model)
+    pipe = make_pipe(path, "sgd", timeout=60.0)
+    opt = optimizer_for(model, pipe, "sgd")
+    samples = data()
+    loader = pipe.loader(samples, batch_size=BATCH, sampler=sampler(samples), num_workers=2)
+    killed = os.path.join(folder, "killed")
+    try:
+        for step, batch in enumerate(loader):
+            if step == 2:
+                pipe.checkpoint()
+            if step == 3 and dist.get_rank() == dist.get_world_size() - 1:
+                with open(killed, "w") as f:
+                    f.write(str(time.time()))
+                os.kill(pipe._owner.owner_pid, signal.SIGKILL)
+            train_step(ddp, opt, batch)
+        outcome = {"error": None}
+    except Exception as e:
+        with open(killed) as f:
+            at = float(f.read())
+        outcome = {"error": type(e).__name__, "message": str(e), "after": time.time() - at}
+    report_and_exit(folder, pipe, outcome)
 
 
 def mismatch(folder: str) -> None:
@@ -657,5 +699,6 @@ if __name__ == "__main__":
     modes["frameworks"] = frameworks
     modes["noisy"] = noisy
     modes["two"] = two
+    modes["owner_dies"] = owner_dies
     modes[mode](folder, *args)
     dist.destroy_process_group()

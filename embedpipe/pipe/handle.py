@@ -85,7 +85,9 @@ class EmbeddingPipe:
         of its files) runs: ``"thread"`` (default), threads of the training process;
         ``"process"``, a process of its own that the pipe starts and stops at ``close()``, so
         the training process keeps only the claim, ``inputs_embeds`` and the gradient
-        (``docs/service.md``: not yet with a process group, nor with lookahead); or the address
+        (``docs/service.md``; not yet with lookahead). Under a process group, one owner
+        process a machine, shared by the machine's ranks and the owner of the machine's
+        shard of the rows (then ``cache_rows`` is per machine). Or the address
         of a table service that outlives the job, ``"unix:PATH"`` (``embedpipe serve TABLE``):
         the pipe connects to it, and ``close()`` leaves it running for the next job.
     """
@@ -129,9 +131,11 @@ class EmbeddingPipe:
                     )
                 shards = Shards(group, timeout)
                 lookahead = 0  # a rank's loader reads ahead only its own rows: not yet
-        shared = shards is not None and owner == "process"  # one owner process for the ranks
+        shared = shards is not None and owner == "process"  # one owner process a machine
         if shared:
+            shards.by_machine()
             table, owns_table = open_shared(table, shards)
+            shards.plan(table.num_rows, table.chunk_rows)  # a shard a machine
         elif shards is not None:
             # what must be the same on every rank, or the ranks would train different tables
             same = (consistency, max_staleness, padding_idx, check_finite)
@@ -158,7 +162,7 @@ class EmbeddingPipe:
                 if optimizer is not None and shards is None and not remote:
                     table._prepare(optimizer, keep)
                 cache_rows = min(int(cache_rows), table.num_rows)
-                if shards is not None and not shared:
+                if shards is not None:
                     lo, hi = shards.owned
                     cache_rows = min(cache_rows, hi - lo)
                 states = len(optimizer.state_init()) if optimizer is not None else 0

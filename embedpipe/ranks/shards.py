@@ -46,6 +46,7 @@ import contextlib
 import datetime
 import gc
 import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -165,7 +166,13 @@ class Shards:
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
         self.timeout = timeout
+        #: Shard ``i`` is rows ``[bounds[i], bounds[i + 1])``; this rank's is ``shard``, and
+        #: ``servers[i]`` is the rank that answers this rank's requests for shard i's rows. Every
+        #: rank owns a shard of its own, unless the ranks are grouped by machine (``by_machine``).
         self.bounds = np.zeros(self.size + 1, dtype=np.int64)
+        self.shard = self.rank
+        self.servers = np.arange(self.size)
+        self.machines = [[r] for r in range(self.size)]
         #: The first failure (a peer lost, ranks out of step): every later exchange raises it.
         self.lost: PeerLostError | ShardMismatchError | None = None
         #: Bytes of ids, rows and gradients this rank sent to and received from the others,
@@ -180,13 +187,32 @@ class Shards:
             0,
         )
 
+    def by_machine(self) -> None:
+        """One shard per machine instead of per rank (the ranks of a machine share one owner
+        process: ``service/rank.py``): machines in the order of their first rank, a machine
+        being a host and torchrun's node rank (``GROUP_RANK``: owner processes standing in for
+        machines on one host). A request for a shard's rows goes to the rank of that machine
+        at this rank's place on its own machine (round robin where the counts differ)."""
+        where = (socket.gethostname(), os.environ.get("GROUP_RANK", ""))
+        every = self.every(where, "finding the ranks' machines")
+        machines = list(dict.fromkeys(every))
+        self.machines = [[r for r, m in enumerate(every) if m == machine] for machine in machines]
+        self.shard = machines.index(where)
+        place = self.machines[self.shard].index(self.rank)
+        self.servers = np.array([ranks[place % len(ranks)] for ranks in self.machines])
+
     @property
     def leader(self) -> bool:
         """Rank 0 holds the table's writer lock and commits the checkpoints."""
         return self.rank == 0
 
+    @property
+    def first_of_machine(self) -> bool:
+        """The first rank of this rank's machine (``by_machine``): it starts the machine's owner."""
+        return self.rank == self.machines[self.shard][0]
+
     def plan(self, num_rows: int, chunk_rows: int) -> None:
-        self.bounds = split(num_rows, chunk_rows, self.size)
+        self.bounds = split(num_rows, chunk_rows, len(self.servers))
 
     def layout(self) -> dict[str, Any]:
         """The table's ``shards`` metadata (``embedpipe info`` shows it)."""
@@ -194,15 +220,16 @@ class Shards:
 
     @property
     def owned(self) -> tuple[int, int]:
-        """The rows this rank owns, ``[lo, hi)``."""
-        return int(self.bounds[self.rank]), int(self.bounds[self.rank + 1])
+        """The rows this rank's shard holds, ``[lo, hi)``."""
+        return int(self.bounds[self.shard]), int(self.bounds[self.shard + 1])
 
     def owns(self, ids: np.ndarray) -> np.ndarray:
         lo, hi = self.owned
         return (ids >= lo) & (ids < hi)
 
     def owner_of(self, ids: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.bounds, ids, side="right") - 1
+        """The rank each of ``ids`` is asked of."""
+        return self.servers[np.searchsorted(self.bounds, ids, side="right") - 1]
 
     def describe(self) -> str:
         lo, hi = self.owned

@@ -1,21 +1,42 @@
-"""A rank's side of the owner process that the ranks of a ``torchrun`` job on one machine share
-(``job.py``): :class:`RankOwner`.
+"""A rank's side of the owner processes that the ranks of a ``torchrun`` job share, one a
+machine (``job.py``): :class:`RankOwner`.
 
-``EmbeddingPipe(..., owner="process")`` made by every rank of a process group: rank 0 starts
-the owner process (lent its writer lock) with a socket the other ranks connect to, tells them
-where it is (over the job's gloo group, as every exchange between ranks goes), and they join
-it. From then on each rank talks to the owner as one training process does (``client.py``),
-with two differences:
+``EmbeddingPipe(..., owner="process")`` made by every rank of a process group: the first rank
+of each machine starts the machine's owner process with a socket the machine's other ranks
+connect to, tells them where it is (over the job's gloo group, as every exchange between ranks
+goes), and they join it. From then on each rank talks to its owner as one training process
+does (``client.py``), with two differences:
 
 - **backward** averages the table's gradient over the ranks as DDP averages a replicated
-  ``nn.Embedding``'s (each gradient times 1/N, summed in rank order), through shared memory
-  (``ranks/machine.py``), so ``pipe.parameter.grad``, a global norm and the optimizer step are
-  the same on every rank;
-- **the step** is sent by rank 0 alone; the other ranks count it, and their requests wait in
-  the owner for rank 0's step (``after``).
+  ``nn.Embedding``'s (each gradient times 1/N, summed in rank order), so
+  ``pipe.parameter.grad``, a global norm and the optimizer step are the same on every rank: on
+  one machine through shared memory (``ranks/machine.py``), so no rank sends another rows;
+- **the step** is sent by the first rank of each machine; the others count it, and their
+  requests wait in the owner for that step (``after``).
 
-Every rank's DataLoader workers read the one shared cache and the gradient goes through shared
-memory: no rank sends another rows.
+NOTE [ A shard a machine ]
+With ranks on several machines (a machine: a host, and torchrun's node rank), the table is
+split by row range, at chunk boundaries, into one shard a machine, and each machine's owner
+process is the only owner of its shard's rows (its cache, optimizer state, writeback and chunk
+files), as a rank is with ``owner="thread"`` (``ranks/shards.py``, NOTE [ One table over N
+ranks ]); rank 0's owner holds the writer lock. The ranks meet as the row-sharded ranks do:
+
+- **rows**: at the read of a batch, each rank asks one rank of each other machine (at its own
+  place on its machine) for the batch's rows of that machine's shard; that rank asks its owner
+  process (``rows``: after the steps so far, as a hand-off);
+- **gradient**: every rank's, averaged over every rank (``Shards.gradient``: the ids to every
+  rank, the rows by a gather or a sparse all-reduce); every machine's first rank sends the
+  step's rows of its shard;
+- **checkpoints**: every owner writes its rows (``flush``), all agree, rank 0's owner commits
+  (``checkpoint``, or ``save`` into a folder), all agree; an owner never commits on its own
+  (``MachineShardOwner``), so a failure leaves the last commit of every shard;
+- **loading a snapshot**: every other owner applies its queued steps and drops its cache
+  (``drain``), all agree, rank 0's owner restores every shard's files and commits them, all
+  agree, the others read the files again (``reopened``).
+
+Each exchange starts with a header every rank contributes to, so ranks out of step raise
+together; an owner that dies makes its machine's ranks raise ``OwnerDiedError``, and the other
+machines' ranks ``PeerLostError`` when those ranks' connections close.
 """
 
 from __future__ import annotations
@@ -26,64 +47,66 @@ import socket
 import tempfile
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import DistributedNotSupportedError
 from ..ranks.machine import MachineGradient
 from ..ranks.shard_owner import writer_on_rank_0
-from ..ranks.shards import Shards
+from ..ranks.shards import CLOSE, COMMIT, FLUSH, LOAD, Shards
+from ..store.checkpoints import Checkpoint
 from ..store.table import Table
+from ..worker.batch import EmbeddedBatch
 from .channel import Channel
 from .client import RemoteOwner
 from .reach import start_owner
 
 
 class RankOwner(RemoteOwner):
-    """:class:`RemoteOwner` for a rank of ``shards``' group; the other arguments as its."""
+    """:class:`RemoteOwner` for a rank of ``shards``' group (grouped ``by_machine``); the other
+    arguments as its."""
 
     def __init__(self, shards: Shards, *args: Any, **kwargs: Any) -> None:
         self.shards = shards
-        self.machine: MachineGradient | None = None  # the ranks' shared gradient memory
+        #: Several machines, each owner process the owner of its machine's shard (NOTE [ A
+        #: shard a machine ]); else one owner process for every rank, and shared gradient memory
+        self.several = len(shards.machines) > 1
+        self.machine: MachineGradient | None = None
+        self.remote_rows = 0  # rows this rank's batches got from other machines
         super().__init__(*args, **kwargs)
+        self.owned = shards.owned
+        #: (steps submitted, generation) when every machine's owner last wrote its rows
+        self.written = (self.submitted, self.generation)
 
     def _open(self, opening: dict[str, Any]) -> Any:
-        """Rank 0 starts the owner and opens the table; then the others join it."""
+        """The first rank of each machine starts the machine's owner process: rank 0 first,
+        lent the writer lock (its owner opens and prepares the table), then the other machines'
+        (on their shards); then every other rank joins its machine's."""
         shards = self.shards
+        if self.several:
+            opening = {**opening, "shard": shards.owned}
+        first = shards.first_of_machine
         error: BaseException | None = None
         reply, address = None, None
-        folder = tempfile.mkdtemp(prefix="embedpipe-") if shards.leader else None
+        folder = tempfile.mkdtemp(prefix="embedpipe-") if first else None
         try:
-            if shards.leader:
-                try:
-                    address = os.path.join(folder, "owner.sock")
-                    listener = _listen(address, shards.size)
+            for rank_0 in (True, False):
+                if first and shards.leader == rank_0:
                     try:
-                        self.process, channel = start_owner(
-                            opening["lock_fd"], "job", listener.fileno(), shards.size
-                        )
-                    finally:
-                        listener.close()
-                    self._connected(channel)
-                    reply = self._request(opening)
-                except BaseException as e:
-                    error = e
-            here = (address, socket.gethostname())
-            address, machine = shards.agree(error, "starting the owner process", here)
-            if not shards.leader:
+                        reply, address = self._start(opening, folder)
+                    except BaseException as e:
+                        error = e
+                shards.agree(error, "starting the owner processes")
+            addresses = shards.every(address, "finding the owner processes")
+            if not first:
                 try:
-                    if machine != socket.gethostname():
-                        raise DistributedNotSupportedError(
-                            f"rank {shards.rank} runs on {socket.gethostname()}, rank 0 on "
-                            f"{machine}: owner='process' serves the ranks of one machine; "
-                            "use owner='thread' (each rank owns a shard of the table)"
-                        )
-                    self._connected(Channel.connect(address))
+                    self._connected(Channel.connect(addresses[shards.machines[shards.shard][0]]))
                     reply = self._request({**opening, "op": "join", "rank": shards.rank})
                 except BaseException as e:
                     error = e
-            shards.agree(error, "joining the owner process of the ranks")
-            # NOTE [ The gradient through shared memory ] in ``ranks/machine.py``
-            self.machine = MachineGradient.make(shards, self.table.num_rows, self.table.dim)
+            shards.agree(error, "joining the owner processes")
+            if not self.several:  # NOTE [ The gradient through shared memory ]
+                self.machine = MachineGradient.make(shards, self.table.num_rows, self.table.dim)
         except BaseException:
             shards.close()
             raise
@@ -92,11 +115,52 @@ class RankOwner(RemoteOwner):
                 shutil.rmtree(folder, ignore_errors=True)  # every rank joined, or none will
         return reply
 
+    def _start(self, opening: dict[str, Any], folder: str) -> tuple[Any, str]:
+        """This machine's owner process, listening in ``folder`` for the machine's other ranks;
+        the table opened there. Returns the reply and the address."""
+        ranks = len(self.shards.machines[self.shards.shard])
+        address = os.path.join(folder, "owner.sock")
+        listener = _listen(address, ranks)
+        try:
+            self.process, channel = start_owner(opening["lock_fd"], "job", listener.fileno(), ranks)
+        finally:
+            listener.close()
+        self._connected(channel)
+        return self._request(opening), address
+
     def _describe_owner(self) -> str:
+        shards = self.shards
+        ranks = shards.machines[shards.shard]
+        rows = f", rows {shards.owned[0]:,} to {shards.owned[1]:,}," if self.several else ""
         return (
-            f"the owner process of table {self.table.path} that the {self.shards.size} ranks "
-            f"share (pid {self.owner_pid}, started by rank 0)"
+            f"the owner process of table {self.table.path}{rows} that the {len(ranks)} ranks of "
+            f"this machine share (pid {self.owner_pid}, started by rank {ranks[0]})"
         )
+
+    # ----------------------------------------------------------------------------- the loop
+    def refresh(self, batch: EmbeddedBatch) -> None:
+        """Several machines: the batch's rows of other machines' shards, from them, unless
+        fetched since the last step; then this machine's as one owner's (``Shards.rows``: every
+        rank reads its batch at the same point of the loop, so every rank takes part)."""
+        fetched, generation = batch.fetched
+        if self.several and (fetched < self.submitted or generation != self.generation):
+            self.check_open()
+            ids = batch._unique_ids.numpy()
+            remote = np.flatnonzero(~self.shards.owns(ids))
+            table = self.table
+            rows = self.shards.rows(
+                self.submitted, self.generation, ids[remote], self._serve, table.dim, table.dtype
+            )
+            self.remote_rows += len(remote)
+            batch._fetched(
+                torch.from_numpy(remote), torch.from_numpy(rows), self.submitted, self.generation
+            )
+        super().refresh(batch)
+
+    def _serve(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of this machine's shard for ranks of other machines, after the steps so far."""
+        _, (rows,), _ = self._request({"op": "rows"}, (ids,))
+        return rows
 
     def _add_gradient(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
         """Every rank's gradient, averaged as DDP does: the same pending gradient everywhere."""
@@ -104,22 +168,134 @@ class RankOwner(RemoteOwner):
         union, total = exchange.gradient(self.submitted, self.generation, unique_ids, grad)
         super()._add_gradient(union, total)
 
-    def stats(self) -> dict[str, int]:
-        return {**super().stats(), **self.shards.bytes}  # this rank's exchanges' bytes
-
     def submit(self, ids: torch.Tensor, grad: torch.Tensor, lr: float | None) -> None:
+        """The first rank of each machine sends the step's rows of its shard; the others count
+        it (their requests wait in the owner for it)."""
+        if not self.shards.first_of_machine:
+            self.submitted += 1
+            return
+        if self.several:
+            mine = torch.from_numpy(self.shards.owns(ids.numpy()))
+            ids, grad = ids[mine], grad[mine.to(grad.device)]
+        super().submit(ids, grad, lr)
+
+    def stats(self) -> dict[str, int]:
+        """The owner process's counts (its machine's), and this rank's exchanges'."""
+        return {**super().stats(), **self.shards.bytes, "remote_rows": self.remote_rows}
+
+    # ----------------------------------------------------------------------------- the table
+    def _write_rows(self, what: str) -> None:
+        """Every machine's owner applied its queued steps and wrote its rows to the live files,
+        or an error on every rank."""
+        error: BaseException | None = None
+        if self.shards.first_of_machine:
+            try:
+                self._call("flush")
+            except BaseException as e:
+                error = e
+        self.shards.agree(error, what)
+        self.written = (self.submitted, self.generation)
+
+    def _commit_machines(self, doing: int, name: str, *args: Any) -> Checkpoint:
+        """One commit for every machine's shard: every owner writes its rows, all agree, then
+        rank 0's owner (which holds the lock) commits (``name``: ``checkpoint``, or ``save``
+        into a folder), all agree."""
+        self.check_open()
+        self.shards.begin(doing, self.submitted, self.generation)
+        self._write_rows("writing its rows for a checkpoint")
+        error: BaseException | None = None
+        checkpoint = None
         if self.shards.leader:
-            super().submit(ids, grad, lr)
-        else:
-            self.submitted += 1  # rank 0 sent the same step
+            try:
+                checkpoint = self._call(name, *args)
+            except BaseException as e:
+                error = e
+        checkpoint = self.shards.agree(error, "committing the checkpoint", checkpoint)
+        return self._committed(checkpoint)
+
+    def checkpoint(self) -> Checkpoint:
+        if not self.several:
+            return super().checkpoint()
+        return self._commit_machines(COMMIT, "checkpoint")
+
+    def save(self, folder: str) -> Checkpoint:
+        if not self.several:
+            return super().save(folder)
+        return self._commit_machines(COMMIT, "save", folder)
+
+    def flush(self) -> None:
+        if not self.several:
+            return super().flush()
+        self.check_open()
+        self.shards.begin(FLUSH, self.submitted, self.generation)
+        self._write_rows("writing its rows (flush)")
+
+    def before_read(self) -> None:
+        """As ``ShardOwner.before_read``: with several machines the files hold every shard's
+        rows only when no step was submitted since every owner wrote its rows."""
+        if not self.several:
+            return super().before_read()
+        if self.written != (self.submitted, self.generation):
+            raise DistributedNotSupportedError(
+                f"the table {self.table.path} is sharded over {len(self.shards.machines)} "
+                "machines and has stepped since their owner processes last wrote their rows, "
+                "so its files lack rows they hold in their caches: call pipe.flush() on every "
+                "rank first (or read a checkpoint: Table.open(path) after pipe.checkpoint())"
+            )
+
+    def load(self, source: Table) -> None:
+        """Several machines: every other machine's owner applies its queued steps and drops its
+        cache, all agree, rank 0's owner restores every shard's files from the snapshot and
+        commits it, all agree, then the others read the files again (as ``ShardOwner._restore``)."""
+        if not self.several:
+            return super().load(source)
+        self.check_open()
+        if self.gradient is not None:
+            self.gradient.clear()
+        shards = self.shards
+        shards.begin(LOAD, self.submitted, self.generation)
+        other = shards.first_of_machine and not shards.leader
+        error: BaseException | None = None
+        if other:
+            try:
+                self._call("drain")
+            except BaseException as e:
+                error = e
+        shards.agree(error, f"stopping its writes to load the snapshot {source.path}")
+        loaded = None
+        if shards.leader:
+            try:
+                loaded, _, _ = self._request({"op": "load", "folder": source.path})
+            except BaseException as e:
+                error = e
+        generation, step = shards.agree(error, f"loading the snapshot {source.path}", loaded)
+        if other:
+            try:
+                self._call("reopened", step)  # (its steps counted as before the load)
+            except BaseException as e:
+                error = e
+        shards.agree(error, f"opening the files of the snapshot {source.path}")
+        self.generation, self.submitted = generation, step
+        self.written = (self.submitted, self.generation)  # the files are the snapshot
 
     def close(self, raise_errors: bool = True) -> None:
+        """Several machines: one last commit of every shard together first (or none: the
+        owners never commit on their own), then each owner process is closed."""
+        error: BaseException | None = None
+        if self.several and not self.closed and self.written != (None, None):
+            try:
+                self._commit_machines(CLOSE, "checkpoint")
+            except BaseException as e:
+                error = e
+            self.written = (None, None)  # a close() again does not commit again
         try:
             super().close(raise_errors)
         finally:
             if self.closed:
                 self.machine = None  # its blocks: unmapped when collected
                 self.shards.close()
+        if error is not None and raise_errors:
+            raise error
 
 
 def open_shared(table: Table | str | os.PathLike[str], shards: Shards) -> tuple[Table, bool]:

@@ -66,6 +66,46 @@ class ServedOwner(Owner):
     (its ``pipe.parameter`` requires grad)."""
 
     trains_now = True
+    CALLS: tuple[str, ...] = ()
+
+
+class MachineShardOwner(ServedOwner):
+    """The owner process of one machine's shard of a table trained by the ranks of several
+    machines (``service/rank.py``): the ranks commit every checkpoint together, rank 0's owner
+    process for them all, so this one never commits on its own. Closing it releases the table
+    as it is: at the ranks' last commit, or ahead of it after a failure (the table reopens at
+    that commit)."""
+
+    #: What the ranks ask of it by name (``Server.do_call``), besides an owner's own.
+    CALLS = ("drain", "reopened")
+
+    def _finish_close(self, error: BaseException | None, hung: bool) -> BaseException | None:
+        self.table._release_claim()
+        self.table._abandon()  # the lock, without a commit (rank 0's owner holds it)
+        return error
+
+    def drain(self) -> None:
+        """Before rank 0's owner restores a snapshot into every shard's files: apply what is
+        queued and drop the cache's rows unwritten, as a load does first; nothing is written
+        from here until :meth:`reopened` (the ranks send no step in between)."""
+        self.check_open()
+        self.cache._check()
+        if self.writeback is not None:
+            self.writeback.wait()
+        with self.lock, self.cache._guard("loading a snapshot"):
+            self.cache.reset()
+
+    def reopened(self, step: int) -> tuple[int, int]:
+        """Rank 0's owner restored the snapshot of ``step`` and committed it: read the table's
+        files again and go on from that step, as a load does last."""
+        with self.lock:
+            self.table._meta = Table._reader(self.table.path, self.table.path, "r+")._meta
+            self.table._open_root(self.table.path)
+            if self.writeback is not None:
+                self.writeback.restart_at(step)
+            self.shared.publish(self.cache.clock)
+            self.generation += 1
+        return self.generation, self.applied_step
 
 
 class Server:
@@ -126,6 +166,8 @@ class Server:
         """The table the training process asked for, and whether the owner closes it."""
         if m["optimizer"] is None:  # frozen: the rows the training process's handle reads
             return Table._reader(m["path"], m["root"]), True
+        if m.get("shard") is not None and m["lock_fd"] is None:  # rank 0's owner holds the lock
+            return Table._reader(m["path"], m["path"], "r+"), True
         if m["lock_fd"] is not None:  # the training process's Table lends its lock
             return Table(m["path"], "r+", _lock=WriterLock.borrowed(m["path"], m["lock_fd"])), True
         return Table.open(m["path"], "r+"), True
@@ -133,13 +175,20 @@ class Server:
     def do_open(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         optimizer = m["optimizer"]
         table, owns_table = self.open_table(m)
+        shard = m.get("shard")  # a machine's rows of a table sharded over machines
         try:
             if optimizer is not None:
-                table._claim(m["description"])
-                table._prepare(optimizer, m["keep"])
+                if table._lock is not None:
+                    table._claim(m["description"])
+                    table._prepare(optimizer, m["keep"])
+                else:  # a machine's shard, without the lock: rank 0's owner prepared the table
+                    table._owner = m["description"]
                 map_writes(table)  # this process alone grows by what it maps
             policy = make_policy(m["policy"], m["cache_rows"], table.num_rows, 0)
-            self.owner = ServedOwner(table, policy, optimizer, m["options"], owns_table=owns_table)
+            kind = ServedOwner if shard is None else MachineShardOwner
+            self.owner = kind(table, policy, optimizer, m["options"], owns_table=owns_table)
+            if shard is not None:
+                self.owner.owned = tuple(shard)
         except BaseException:
             table._release_claim()
             if owns_table:
@@ -208,6 +257,17 @@ class Server:
         rows, step, tick = self.owner.current_rows(arrays[0])
         self.reply(step, tick, self.owner.generation, arrays=(rows,))
 
+    def do_rows(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        """Rows of this machine's shard for a rank of another machine (``Shards.rows``): after
+        the steps submitted so far, recorded by the cache's policy as uses."""
+        owner, ids = self.owner, arrays[0]
+        owner._wait_for_steps()
+        with owner.lock:
+            rows = owner.cache.current(ids)
+            owner.cache.admit(ids, rows)
+        owner.counts["served_rows"] += len(ids)
+        self.reply(arrays=(rows,))
+
     def do_submit(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         ids, grad = arrays
         self.owner.submit(torch.from_numpy(ids), torch.from_numpy(grad), m["lr"])
@@ -219,7 +279,7 @@ class Server:
 
     def do_call(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         """The owner's methods that take and give small values: checkpoint, flush, stats..."""
-        if m["name"] not in ("checkpoint", "flush", "save", "stats"):
+        if m["name"] not in ("checkpoint", "flush", "save", "stats", *self.owner.CALLS):
             raise ValueError(f"the owner process does not serve {m['name']!r}")
         self.reply(getattr(self.owner, m["name"])(*m["args"]))
 

@@ -83,6 +83,26 @@ def launch(*args: str, env: dict[str, str] | None = None) -> list[subprocess.Pop
     ]
 
 
+def assert_as_ddp(result: dict) -> None:
+    """A parity run's table and dense weights bit for bit DDP + nn.Embedding's, 8 steps."""
+    changed = (result["reference"] != result["offloaded"]).any(dim=1)
+    assert not changed.any(), f"{int(changed.sum())} rows differ from DDP + nn.Embedding"
+    for name, value in result["reference_dense"].items():
+        assert torch.equal(value, result["offloaded_dense"][name]), name
+    assert result["step"] == 8
+
+
+def assert_resumed_exactly(folder) -> None:
+    """``resume``'s two phases: the table reopened at the checkpoint after the crash, and the
+    resumed run's table and optimizer state bit for bit the straight run's."""
+    straight = embedpipe.Table.open(folder / "straight.zarr")
+    resumed = embedpipe.Table.open(folder / "resumed.zarr")
+    assert straight.step == resumed.step == 8
+    assert torch.equal(straight.to_tensor(), resumed.to_tensor())
+    for name in straight.state_names:
+        assert (straight.read_range(0, 1000, name) == resumed.read_range(0, 1000, name)).all()
+
+
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory):
     """SGD with no workers; Adagrad with 2 workers a rank and clipping every step, straight
@@ -103,11 +123,8 @@ def test_two_ranks_train_the_table_ddp_trains_with_a_replicated_embedding(
 ):
     folder = parity_runs / RUNS[optimizer]
     result = torch.load(folder / "result.pt")
-    changed = (result["reference"] != result["offloaded"]).any(dim=1)
-    assert not changed.any(), f"{int(changed.sum())} rows differ from DDP + nn.Embedding"
-    for name, value in result["reference_dense"].items():
-        assert torch.equal(value, result["offloaded_dense"][name]), name
-    assert result["step"] == 8 and result["shards"] == {"ranks": 2, "bounds": [0, 512, 1000]}
+    assert_as_ddp(result)
+    assert result["shards"] == {"ranks": 2, "bounds": [0, 512, 1000]}
     assert "call pipe.flush() on every rank first" in result["unflushed"]
     assert torch.equal(result["flushed"], result["offloaded"])  # after flush(), read as trained
     stats = result["stats"]
@@ -240,12 +257,7 @@ def test_resuming_from_a_checkpoint_of_every_shard_is_bit_exact(tmp_path):
     assert crashed.step == 4  # the checkpoint, not the two steps after it
     crashed.close()
     torchrun("resume", str(tmp_path), "second")
-    straight = embedpipe.Table.open(tmp_path / "straight.zarr")
-    resumed = embedpipe.Table.open(tmp_path / "resumed.zarr")
-    assert straight.step == resumed.step == 8
-    assert torch.equal(straight.to_tensor(), resumed.to_tensor())
-    for name in straight.state_names:
-        assert (straight.read_range(0, 1000, name) == resumed.read_range(0, 1000, name)).all()
+    assert_resumed_exactly(tmp_path)
 
 
 def _outcome(folder, rank: int, procs: list[subprocess.Popen], limit: float) -> dict:
