@@ -15,6 +15,9 @@ Every run trains the tiny BERT of ``helpers.py`` with DDP on its dense weights, 
 - ``lose HOW``: rank 1 dies (``kill``) or hangs (``hang``) at step 3; rank 0 records the error it
   gets and how long it took.
 - ``mismatch``: rank 1 reads one batch more than rank 0.
+- ``held``: a batch claimed before ``load_checkpoint`` and read after a step; its rows against
+  the table's.
+- ``serve_fails``: the last rank fails to serve its rows at its third request.
 - ``owner_dies``: owner processes on two machines; the last rank kills its machine's owner
   process at step 3, after a checkpoint at step 2; every rank records its error.
 - ``noisy OWNER ...``: a dataset that draws word dropout from numpy's, torch's and ``random``'s
@@ -353,6 +356,76 @@ def owner_dies(folder: str) -> None:
             at = float(f.read())
         outcome = {"error": type(e).__name__, "message": str(e), "after": time.time() - at}
     report_and_exit(folder, pipe, outcome)
+
+
+def _small_pipe(folder: str) -> tuple[embedpipe.EmbeddingPipe, list[dict]]:
+    """A 256-row table in chunks of 32 (a shard a rank or a machine), an SGD pipe, and samples
+    of rows of both halves."""
+    path = os.path.join(folder, "small.zarr")
+    if dist.get_rank() == 0:
+        embedpipe.Table.create(path, 256, 4, chunk_rows=32, overwrite=True).close()
+    dist.barrier()
+    pipe = make_pipe(path, "sgd", timeout=60.0)
+    ids = torch.tensor([5, 200, 7, 150])
+    return pipe, [{"input_ids": ids.clone()} for _ in range(8 * dist.get_world_size())]
+
+
+def _sgd_step(pipe: embedpipe.EmbeddingPipe, batch) -> None:
+    batch["inputs_embeds"].sum().backward()  # each row moves by lr at every step
+    pipe.step()
+
+
+def held(folder: str) -> None:
+    """A batch claimed before ``load_checkpoint`` and read after one more step: its rows, of
+    every shard, against the table's after a flush (FOLDER/held-rankR.json)."""
+    pipe, samples = _small_pipe(folder)
+    loader = pipe.loader(samples, batch_size=1, sampler=DistributedSampler(samples, shuffle=False))
+    batches = iter(loader)
+    _sgd_step(pipe, next(batches))
+    snapshot = os.path.join(folder, "snapshot")
+    pipe.save_checkpoint(snapshot)
+    kept = next(batches)  # claimed before the load, read after it
+    pipe.load_checkpoint(snapshot)
+    _sgd_step(pipe, next(batches))  # changes its rows again
+    read = kept["inputs_embeds"].detach()[0]
+    pipe.flush()
+    ids = kept["input_ids"][0].numpy()
+    error = (read - torch.from_numpy(pipe.table.read(ids))).abs().max().item()
+    pipe.close()
+    with open(os.path.join(folder, f"held-rank{dist.get_rank()}.json"), "w") as f:
+        json.dump({"error": error}, f)
+
+
+def serve_fails(folder: str) -> None:
+    """The last rank fails to serve its rows at its third request (its owner's write fails, a
+    full disk); every rank's loop runs in ``with pipe:``: what each raised, how long after."""
+    pipe, samples = _small_pipe(folder)
+    outcome: dict = {"error": None}
+    start = time.time()
+    try:
+        with pipe:
+            owner, asked = pipe._owner, [0]
+            serve = owner._serve
+
+            def failing(ids: np.ndarray) -> np.ndarray:
+                asked[0] += 1
+                if dist.get_rank() == dist.get_world_size() - 1 and asked[0] == 3 and len(ids):
+                    raise OSError(28, "No space left on device (injected)")
+                return serve(ids)
+
+            owner._serve = failing
+            loader = pipe.loader(
+                samples, batch_size=1, sampler=DistributedSampler(samples, shuffle=False)
+            )
+            for step, batch in enumerate(loader):
+                start = time.time() if step == 2 else start
+                _sgd_step(pipe, batch)
+    except Exception as e:
+        outcome = {"error": type(e).__name__, "message": str(e)}
+    outcome["after"] = time.time() - start
+    with open(os.path.join(folder, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(outcome, f)
+    os._exit(0)
 
 
 def mismatch(folder: str) -> None:
@@ -700,5 +773,7 @@ if __name__ == "__main__":
     modes["noisy"] = noisy
     modes["two"] = two
     modes["owner_dies"] = owner_dies
+    modes["held"] = held
+    modes["serve_fails"] = serve_fails
     modes[mode](folder, *args)
     dist.destroy_process_group()

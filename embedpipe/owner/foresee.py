@@ -45,7 +45,7 @@ import stat
 import struct
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -99,9 +99,27 @@ class IdsReader:
                 os._exit(code)
         os.close(credits_read)
         os.close(ids_write)
-        self.pid = pid
+        self.pid: int | None = pid
         self._credits: int | None = credits_write
         self._ids = ids_read
+
+    @classmethod
+    def adopt(cls, ids: int, credits: int) -> IdsReader:
+        """The reading end of a child another process forked and handed over (an owner
+        process, given a training process's :meth:`hand_over`): no child to end here."""
+        reader = cls.__new__(cls)
+        reader.pid, reader._credits, reader._ids = None, credits, ids
+        return reader
+
+    def hand_over(self) -> tuple[int, int]:
+        """The ids and credits pipes, for another process to read (sent as descriptors, then
+        closed here by :meth:`handed_over`); :meth:`close` still ends the child."""
+        return self._ids, self._credits
+
+    def handed_over(self) -> None:
+        for fd in (self._ids, self._credits):
+            os.close(fd)
+        self._ids, self._credits = -1, None
 
     def credit(self, batches: int) -> None:
         """Let the child read ``batches`` more batches."""
@@ -127,14 +145,15 @@ class IdsReader:
 
     def close(self) -> None:
         """End the child and reap it; :meth:`receive` then returns None. Idempotent."""
-        if self._credits is None:
-            return
-        os.close(self._credits)
-        self._credits = None
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, 0)
+        if self._credits is not None:
+            os.close(self._credits)
+            self._credits = None
+        pid, self.pid = self.pid, None
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
 
     def close_receiving(self) -> None:
         """Close the ids pipe (after the thread that receives has stopped). Idempotent: a
@@ -142,6 +161,32 @@ class IdsReader:
         fd, self._ids = self._ids, -1
         if fd >= 0:
             os.close(fd)
+
+
+class BatchIds:
+    """A batch's sorted unique ids from its sample indices, read from ``dataset`` (in the
+    foresight child, on its copy): what :class:`IdsReader` sends for each batch."""
+
+    def __init__(self, dataset: Any, ids_key: str, padding: int | None, num_rows: int) -> None:
+        self.dataset, self.ids_key, self.padding, self.num_rows = (
+            dataset,
+            ids_key,
+            padding,
+            num_rows,
+        )
+
+    def __call__(self, indices: list[int]) -> np.ndarray:
+        getitems = getattr(self.dataset, "__getitems__", None)
+        samples = getitems(indices) if getitems is not None else [self.dataset[i] for i in indices]
+        parts = []
+        for sample in samples:
+            if not isinstance(sample, Mapping):
+                raise TypeError("samples without ids")
+            parts.append(np.asarray(sample[self.ids_key]).reshape(-1))
+        if self.padding is not None:
+            parts.append(np.array([self.padding]))
+        ids = np.unique(np.concatenate(parts).astype(np.int64, copy=False))
+        return ids[(ids >= 0) & (ids < self.num_rows)]
 
 
 # ---------------------------------------------------------------------------- in the child

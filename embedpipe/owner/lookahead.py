@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -52,7 +53,7 @@ from ..cache.rowcache import Copy, RowCache, SharedRows, from_copies
 from ..cache.shm import SharedBlock
 from ..store.layout import WEIGHT
 from ..store.table import Table
-from .foresee import IdsReader
+from .foresee import IdsReader, can_fork
 
 
 class Owner(Protocol):
@@ -167,20 +168,19 @@ class Stream:
     def __init__(
         self,
         owner: Owner,
-        dataset: Any,
-        ids_key: str,
-        order: Ahead,
+        ids: IdsReader,
+        first: int,
         source: Any,
         defer: SharedBlock | None = None,
+        order: Ahead | None = None,
     ) -> None:
+        """``ids``: the child reading the ids of the batches from number ``first`` (the next
+        the DataLoader draws); ``order``: the sampler's iterator as the DataLoader draws it, in
+        this process (an owner process is told each draw instead: :meth:`_drawn`)."""
         self.owner = owner
         self.source = source  # the loader's PipeSource: its hand-offs are this stream's batches
         self.policy = owner.cache.policy
-        self.dataset = dataset
-        self.ids_key = ids_key
         self.order = order
-        self.padding = owner.padding_idx
-        self.num_rows = owner.table.num_rows
         #: the batches in the policy's window: (number, ids)
         self.foreseen: deque[tuple[int, np.ndarray]] = deque()
         #: foreseen batches dispatched and not claimed: (number, ids); each claim pops one or more
@@ -191,8 +191,8 @@ class Stream:
         self.buffers: dict[int, Copy] = {}
         self.ready: Copy | None = None
         self.window = self.policy.window
-        self.dispatched = order.drawn - 1  # the last batch the DataLoader drew (and dispatched)
-        self.filled = order.drawn - 1  # the last dispatched batch whose misses were read
+        self.dispatched = first - 1  # the last batch the DataLoader drew (and dispatched)
+        self.filled = first - 1  # the last dispatched batch whose misses were read
         self.filling: int | None = None  # the dispatched batch whose misses are being read
         self.first_received = -1  # the number of the child's first batch
         self.last_received = -1  # ... and of its latest
@@ -208,12 +208,12 @@ class Stream:
         self._table: Any = None
         self.wake = threading.Condition()
         self.stopped = False
-        # the fork comes first, before this stream's threads exist
-        self.ids = IdsReader(order.inner, self._ids, first=order.drawn)
+        self.ids = ids
         self.ids.credit(self.window)
         if defer is not None:  # the workers leave their misses to the owner from now on
             defer["misses"][0] = 1
-        order.on_draw = self._drawn
+        if order is not None:
+            order.on_draw = self._drawn
         with owner.lock:
             self.policy.restart()
         self.receiver = threading.Thread(
@@ -323,7 +323,8 @@ class Stream:
     def finished(self) -> bool:
         """Stopped, or every batch drawn and claimed (a framework's loader never says it is
         done: the next epoch of any loader may take the window then)."""
-        return self.stopped or (self.order.exhausted and not self.in_flight_ids)
+        exhausted = self.order is None or self.order.exhausted
+        return self.stopped or (exhausted and not self.in_flight_ids)
 
     def stop(self) -> None:
         """End the child and the threads, and forget the window (any thread but the stream's).
@@ -352,7 +353,8 @@ class Stream:
         # no cycle through the order (Ahead.on_draw -> self -> order): without one the stream,
         # its reader's open chunk files and the loader's shared blocks go when the loop drops
         # them, not at the next full garbage collection (measured: +3 descriptors an epoch)
-        self.order.on_draw = None
+        if self.order is not None:
+            self.order.on_draw = None
 
     # ------------------------------------------------------------------ the threads
     def _receive(self) -> None:
@@ -433,15 +435,47 @@ class Stream:
             self._table = Table._reader(table.path, table.root)._array(WEIGHT)
         return self._table
 
-    def _ids(self, indices: list[int]) -> np.ndarray:
-        getitems = getattr(self.dataset, "__getitems__", None)
-        samples = getitems(indices) if getitems is not None else [self.dataset[i] for i in indices]
-        parts = []
-        for sample in samples:
-            if not isinstance(sample, Mapping):
-                raise TypeError("samples without ids")
-            parts.append(np.asarray(sample[self.ids_key]).reshape(-1))
-        if self.padding is not None:
-            parts.append(np.array([self.padding]))
-        ids = np.unique(np.concatenate(parts).astype(np.int64, copy=False))
-        return ids[(ids >= 0) & (ids < self.num_rows)]
+
+#: The policies that look ahead (with a window: ``make_policy``).
+LOOKAHEAD = ("lookahead", "auto")
+
+
+def start_stream(owner: Any, make: Callable[[], Any]) -> Any:
+    """A loader's epoch whose order is known: ``make()``'s stream feeds the lookahead policy's
+    window, unless another loader's epoch does, or foresight is off (then None). ``owner``: an
+    :class:`~embedpipe.owner.owner.Owner`, or an owner process's client."""
+    if owner.closed or owner.blind:
+        return None
+    if not can_fork():
+        owner.look_blind("this platform has no fork() to read the batches ahead with")
+        return None
+    with owner.lock:
+        if owner.stream is not None and not owner.stream.finished:
+            return None
+    if owner.stream is not None:
+        owner.end_stream(owner.stream)
+    try:
+        stream = make()  # forks: not locked
+    except OSError as e:  # fork refused (a pids limit, no memory): train on without it
+        owner.look_blind(f"the foresight process could not start ({e.strerror or e})")
+        return None
+    with owner.lock:
+        owner.stream = stream
+    return stream
+
+
+def look_blind(owner: Any, why: str) -> None:
+    """Stop looking ahead for the rest of ``owner``'s pipe (the policy is LFU from here on),
+    and say why once."""
+    if owner.blind:
+        return
+    owner.blind = True
+    if owner.stream is not None:
+        owner.end_stream(owner.stream)
+    warnings.warn(
+        f"embedpipe's lookahead policy stopped looking ahead: {why}; the cache runs as LFU "
+        "from here on (training is unchanged; only rows read from disk can grow). Pass "
+        "EmbeddingPipe(..., policy='lfu') to choose that from the start",
+        RuntimeWarning,
+        stacklevel=5,
+    )

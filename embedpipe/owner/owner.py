@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -48,8 +47,8 @@ from ..store.checkpoints import Checkpoint
 from ..store.table import Table
 from ..worker.batch import EmbeddedBatch
 from ..worker.looked_up import LookedUp
-from . import durability
-from .foresee import can_fork
+from . import durability, lookahead
+from .foresee import BatchIds, IdsReader
 from .gradient import TableGradient, refuse_non_finite, without_padding
 from .lookahead import Ahead, Stream
 from .writeback import Writeback
@@ -293,24 +292,13 @@ class Owner:
     ) -> Stream | None:
         """A loader's epoch whose order is known: it feeds the lookahead policy's window, unless
         another loader's epoch does, or foresight is off (then None)."""
-        if self.closed or self.blind:
-            return None
-        if not can_fork():
-            self.look_blind("this platform has no fork() to read the batches ahead with")
-            return None
-        with self.lock:
-            if self.stream is not None and not self.stream.finished:
-                return None
-        if self.stream is not None:
-            self.end_stream(self.stream)
-        try:
-            stream = Stream(self, dataset, ids_key, order, source, defer)  # forks: not locked
-        except OSError as e:  # fork refused (a pids limit, no memory): train on without it
-            self.look_blind(f"the foresight process could not start ({e.strerror or e})")
-            return None
-        with self.lock:
-            self.stream = stream
-        return stream
+
+        def make() -> Stream:  # the fork comes first, before the stream's threads exist
+            ids_of = BatchIds(dataset, ids_key, self.padding_idx, self.table.num_rows)
+            reader = IdsReader(order.inner, ids_of, first=order.drawn)
+            return Stream(self, reader, order.drawn, source, defer, order)
+
+        return lookahead.start_stream(self, make)
 
     def end_stream(self, stream: Stream) -> None:
         stream.stop()
@@ -318,20 +306,7 @@ class Owner:
             self.stream = None
 
     def look_blind(self, why: str) -> None:
-        """Stop looking ahead for the rest of this pipe (the policy is LFU from here on), and
-        say why once."""
-        if self.blind:
-            return
-        self.blind = True
-        if self.stream is not None:
-            self.end_stream(self.stream)
-        warnings.warn(
-            f"embedpipe's lookahead policy stopped looking ahead: {why}; the cache runs as LFU "
-            "from here on (training is unchanged; only rows read from disk can grow). Pass "
-            "EmbeddingPipe(..., policy='lfu') to choose that from the start",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+        lookahead.look_blind(self, why)
 
     @property
     def behind(self) -> int:

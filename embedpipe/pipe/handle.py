@@ -85,7 +85,7 @@ class EmbeddingPipe:
         of its files) runs: ``"thread"`` (default), threads of the training process;
         ``"process"``, a process of its own that the pipe starts and stops at ``close()``, so
         the training process keeps only the claim, ``inputs_embeds`` and the gradient
-        (``docs/service.md``; not yet with lookahead). Under a process group, one owner
+        (``docs/service.md``). Under a process group, one owner
         process a machine, shared by the machine's ranks and the owner of the machine's
         shard of the rows (then ``cache_rows`` is per machine). Or the address
         of a table service that outlives the job, ``"unix:PATH"`` (``embedpipe serve TABLE``):
@@ -196,6 +196,7 @@ class EmbeddingPipe:
                         parameter=parameter,
                         owns_table=owns_table,
                         address=owner if served else None,
+                        lookahead=lookahead,
                     )
                 else:
                     make = Owner if shards is None else partial(ShardOwner, shards)

@@ -50,11 +50,14 @@ class ShardOwner(Owner):
         )
 
     def refresh(self, batch: EmbeddedBatch) -> None:
-        """The rows other ranks own, unless fetched since the steps the consistency mode lets
-        a batch miss, then the owner's own refresh. Every rank reads its batch at the same
-        point of the loop, so every rank takes part."""
+        """The owner's own refresh, then the rows other ranks own, unless fetched since the
+        steps the consistency mode lets a batch miss. Every rank reads its batch at the same
+        point of the loop, so every rank takes part. In that order: after a load the cache
+        takes every row for changed, the other shards' too, and re-reads them from the files,
+        which lack the rows other ranks cache; the fetch then puts theirs in their places."""
         if self.writeback is None:
             return
+        super().refresh(batch)
         submitted = self.writeback.submitted
         fetched, generation = batch.fetched
         if fetched < submitted - self.behind or generation != self.generation:
@@ -73,7 +76,6 @@ class ShardOwner(Owner):
                 submitted - self.behind,
                 self.generation,
             )
-        super().refresh(batch)
 
     def _serve(self, ids: np.ndarray) -> np.ndarray:
         """Rows of this shard for the other ranks: with the steps submitted so far (as the

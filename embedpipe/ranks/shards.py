@@ -76,8 +76,7 @@ from ..errors import PeerLostError, ShardMismatchError
 #
 # With the sparse all-reduce a rank sends about (N-1)/N x (U + union) rows and receives as
 # many: at most U + V rows whatever N is, against DDP's 2 (N-1)/N x V; only the ids (8 bytes
-# each, against a row's D x 4) grow with N. The gather wins at 2 or 3 ranks, or when the
-# ranks' batches share few ids. Every rank ends with the whole averaged gradient, bit for bit what the gather gave, so
+# each, against a row's D x 4) grow with N. Every rank ends with the whole averaged gradient, bit for bit what the gather gave, so
 # ``clip_grad_norm_`` computes DDP's global norm from ``pipe.parameter.grad`` as before (a
 # reduce-scatter alone, U rows a rank, would leave each rank a part of it: a norm computed from
 # parts sums in another order than torch's, and the clipped table would differ in rounding).
@@ -300,12 +299,14 @@ class Shards:
         to_me = asked[:, self.rank]
         if not asked.any():
             return np.empty((0, dim), dtype=dtype)
+        # in the order of the ranks asked (shards by machine need not be: ``by_machine``)
+        order = np.argsort(owners, kind="stable")
         requests = torch.empty(int(to_me.sum()), dtype=torch.int64)
         self._call(
             _DOING[ROWS],
             lambda: dist.all_to_all_single(
                 requests,
-                torch.from_numpy(np.ascontiguousarray(wanted, dtype=np.int64)),
+                torch.from_numpy(np.ascontiguousarray(wanted[order], dtype=np.int64)),
                 to_me.tolist(),
                 counts.tolist(),
                 group=self.group,
@@ -339,7 +340,9 @@ class Shards:
                 f"({type(failed).__name__}: {failed}); the ranks cannot go on together"
             )
             raise failed
-        return got.numpy()
+        rows = np.empty((len(wanted), dim), dtype=dtype)
+        rows[order] = got.numpy()
+        return rows
 
     def gradient(
         self, step: int, generation: int, ids: torch.Tensor, grad: torch.Tensor

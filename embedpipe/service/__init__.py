@@ -1,7 +1,7 @@
 """The table as a service: its owner in a process of its own.
 
 - ``channel.py``: :class:`Channel`, messages, raw arrays and descriptors over a Unix socket;
-- ``server.py``: the owner process (``python -m embedpipe.service.server``), serving one
+- ``server.py``: the owner process (its ``main``, started by ``reach.py``), serving one
   training process;
 - ``client.py``: :class:`RemoteOwner`, the training process's side, which the pipe uses in the
   place of an in-process owner (``EmbeddingPipe(..., owner="process")``);

@@ -18,9 +18,11 @@ import contextlib
 import os
 import pickle
 import select
+import signal
 import socket
 import struct
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -169,3 +171,29 @@ def peer_of(sock: socket.socket) -> tuple[int, int]:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _ = struct.unpack("3i", creds)
     return pid, uid
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[Callable[[], None] | None]:
+    """Hold SIGINT back (in the main thread, under Python's own handler) while a message
+    crosses; yields the check that raises the held ``KeyboardInterrupt`` (called while nothing
+    has crossed yet), and raises it at the end if it was not raised before."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield None
+        return
+    held: list[int] = []
+
+    def interrupted() -> None:
+        if held:
+            held.clear()
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupted()

@@ -27,13 +27,12 @@ import builtins
 import contextlib
 import itertools
 import os
-import signal
 import subprocess
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -47,6 +46,7 @@ from ..ids import as_ids, unique_inverse
 from ..optim import RowOptimizer
 from ..owner import durability
 from ..owner.gradient import TableGradient, refuse_non_finite, without_padding
+from ..owner.lookahead import LOOKAHEAD, Ahead, look_blind, start_stream
 from ..owner.owner import take_options
 from ..store.checkpoints import Checkpoint, latest
 from ..store.layout import read_table_metadata
@@ -54,7 +54,8 @@ from ..store.table import Table
 from ..worker.batch import EmbeddedBatch
 from ..worker.looked_up import LookedUp
 from ..worker.orphans import exit_reason
-from .channel import Channel, ChannelClosed
+from .channel import Channel, ChannelClosed, interrupts_held
+from .foresight import RemoteStream
 from .reach import connect, start_owner
 
 #: How long ``close()`` waits for the owner process to exit once it has committed.
@@ -77,8 +78,6 @@ class RemoteOwner:
     """An owner process, seen from the training process (see the module docstring)."""
 
     shards = None  # a pipe sharded over ranks has one owner per rank: not in a process yet
-    stream = None  # no lookahead in an owner process yet: the policy is LFU
-    looks_ahead = False
     writeback = None
     reads_rows_at_claim = True  # with num_workers=0 the owner reads the rows, not the lookup
 
@@ -95,8 +94,15 @@ class RemoteOwner:
         parameter: torch.nn.Parameter | None = None,
         owns_table: bool = False,
         address: str | None = None,
+        lookahead: int = 0,
     ) -> None:
         take_options(self, table, optimizer, options, owns_table)
+        #: The owner process's policy sees the loaders' next batches (``foresight.py``).
+        self.looks_ahead = policy in LOOKAHEAD and lookahead > 0 and 0 < cache_rows < table.num_rows
+        self.stream: RemoteStream | None = None
+        self.blind = False  # foresight kept missing: no more streams (``look_blind``)
+        self._sources: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self.lock = threading.Lock()  # (for ``stream``, as an owner's)
         self.address = address  # of a service (``embedpipe serve``); None: a process of our own
         self._claimed = False  # a batch was claimed
         self._owed = 0  # replies the owner process owes to requests a signal interrupted
@@ -125,6 +131,7 @@ class RemoteOwner:
             "optimizer": optimizer,
             "keep": keep,
             "policy": policy,
+            "lookahead": lookahead,
             "cache_rows": cache_rows,
             "options": options,
         }
@@ -205,7 +212,8 @@ class RemoteOwner:
         arrays = (item.unique_ids, sent)
         if item.deferred is not None:
             arrays += (item.deferred,)
-        (step, tick, generation), got, _ = self._request(
+        stream = self.stream
+        (step, tick, generation, blind), got, _ = self._request(
             {
                 "op": "claim",
                 "ring": self._ring_number(ring),
@@ -216,9 +224,12 @@ class RemoteOwner:
                 "misses": item.misses,
                 "trains_now": self.trains_now,
                 "have": rows is not None,
+                "foreseen": stream is not None and stream.take_claim(),
             },
             arrays,
         )
+        if blind and stream is not None:
+            stream.blind = True  # the loader says why, and stops looking ahead
         if len(got) == 1:  # every row, read by the owner
             rows = got[0]
         else:  # the rows re-read since the lookup
@@ -297,6 +308,8 @@ class RemoteOwner:
         """Commit and stop the owner process, then take the table back (as ``Owner.close``)."""
         if self.closed:
             return
+        if self.stream is not None:
+            self.end_stream(self.stream)
         if self.gradient is not None:
             self.gradient.close(stacklevel=4)  # the caller of pipe.close
         try:
@@ -316,14 +329,25 @@ class RemoteOwner:
         if self.closed:
             raise RuntimeError("this EmbeddingPipe is closed; make a new one")
 
-    def start_stream(self, *args: Any) -> None:
-        return None
+    def start_stream(
+        self, dataset: Any, ids_key: str, order: Ahead, source: Any, defer: SharedBlock | None
+    ) -> RemoteStream | None:
+        """As ``Owner.start_stream``, the stream in the owner process (``foresight.py``)."""
+        return start_stream(
+            self, lambda: RemoteStream.start(self, dataset, ids_key, order, source, defer)
+        )
 
-    def end_stream(self, stream: Any) -> None:
-        pass
+    def end_stream(self, stream: RemoteStream) -> None:
+        stream.stop()
+        if self.stream is stream:
+            self.stream = None
 
     def look_blind(self, why: str) -> None:
-        pass
+        look_blind(self, why)
+
+    def _source_number(self, source: Any) -> int:
+        """The number the owner process knows a loader by (its streams', its claims')."""
+        return self._sources.setdefault(source, len(self._sources) + 1)
 
     # ----------------------------------------------------------------------------- internals
     def _committed(self, checkpoint: Any) -> Any:
@@ -349,7 +373,7 @@ class RemoteOwner:
         the reply is awaited: then the reply is owed, and read and dropped before the next
         request, so the two processes never fall out of step."""
         message.setdefault("after", self.submitted)
-        with self._lock, _interrupts_held() as interrupted:
+        with self._lock, interrupts_held() as interrupted:
             if self._dropped:
                 message["drop_rings"], self._dropped = self._dropped, []
             try:
@@ -451,29 +475,3 @@ class RemoteOwner:
             table._reopen(live=self.address is None)
         if self.owns_table:
             table.close()
-
-
-@contextlib.contextmanager
-def _interrupts_held() -> Iterator[Callable[[], None] | None]:
-    """Hold SIGINT back (in the main thread, under Python's own handler) while a message
-    crosses; yields the check that raises the held ``KeyboardInterrupt`` (called while nothing
-    has crossed yet), and raises it at the end if it was not raised before."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield None
-        return
-    held: list[int] = []
-
-    def interrupted() -> None:
-        if held:
-            held.clear()
-            raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    try:
-        yield interrupted
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    interrupted()

@@ -47,7 +47,6 @@ class Job:
     def __init__(self, ranks: int) -> None:
         self.ranks = ranks
         self.owner: Any = None
-        self.facts: tuple[Any, ...] | None = None  # what every rank's pipe must agree on
         self.lock = threading.Condition()
         self.closing = 0
         self.closed: tuple[str, Any] | None = None  # ("ok", stats) or ("error", exception)
@@ -128,20 +127,12 @@ class RankServer(Server):
         if self.rank != 0 or m["optimizer"] is None:
             raise ValueError("only rank 0 opens the table of an owner its ranks share")
         super().do_open(m, arrays, fds)
-        self.job.facts = _facts(m)
 
     def do_join(self, m: dict[str, Any], arrays: list, fds: list) -> None:
-        """Another rank's pipe: the same table and training as rank 0's, or refused."""
+        """Another rank's pipe (every rank checked that it made rank 0's: ``rank.py``)."""
         self.rank = m["rank"]
         if self.job.owner is None:
             raise RuntimeError("rank 0 has not opened the table yet")
-        mine = _facts(m)
-        if mine != self.job.facts:
-            raise ValueError(
-                f"rank {self.rank} made its pipe with {mine}, rank 0 with {self.job.facts} "
-                "(table, cache_rows, policy, optimizer, keep, consistency, padding_idx, "
-                "check_finite): make the same pipe on every rank"
-            )
         self.reply_opened()
 
     def do_submit(self, m: dict[str, Any], arrays: list, fds: list) -> None:
@@ -192,7 +183,8 @@ class RankServer(Server):
             self.reply_error(value, closed=True)
 
 
-def _facts(m: dict[str, Any]) -> tuple[Any, ...]:
+def pipe_facts(m: dict[str, Any]) -> tuple[Any, ...]:
+    """What every rank's pipe must agree on, from its opening request."""
     optimizer = m["optimizer"]
     return (
         os.path.realpath(m["path"]),

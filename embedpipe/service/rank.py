@@ -59,6 +59,7 @@ from ..store.table import Table
 from ..worker.batch import EmbeddedBatch
 from .channel import Channel
 from .client import RemoteOwner
+from .job import pipe_facts
 from .reach import start_owner
 
 
@@ -83,6 +84,18 @@ class RankOwner(RemoteOwner):
         lent the writer lock (its owner opens and prepares the table), then the other machines'
         (on their shards); then every other rank joins its machine's."""
         shards = self.shards
+        mine = pipe_facts(opening)  # every rank's pipe as rank 0's, before anything starts
+        expected = shards.agree(None, "checking the pipes agree", mine)
+        shards.agree(
+            None
+            if mine == expected
+            else ValueError(
+                f"rank {shards.rank} made its pipe with {mine}, rank 0 with {expected} (table, "
+                "cache_rows, policy, optimizer, keep, consistency, padding_idx, check_finite): "
+                "make the same pipe on every rank"
+            ),
+            "checking the pipes agree",
+        )
         if self.several:
             opening = {**opening, "shard": shards.owned}
         first = shards.first_of_machine
@@ -139,9 +152,13 @@ class RankOwner(RemoteOwner):
 
     # ----------------------------------------------------------------------------- the loop
     def refresh(self, batch: EmbeddedBatch) -> None:
-        """Several machines: the batch's rows of other machines' shards, from them, unless
-        fetched since the last step; then this machine's as one owner's (``Shards.rows``: every
-        rank reads its batch at the same point of the loop, so every rank takes part)."""
+        """This machine's rows as one owner's; then, with several machines, the batch's rows
+        of other machines' shards, from them, unless fetched since the last step
+        (``Shards.rows``: every rank reads its batch at the same point of the loop, so every
+        rank takes part). In that order: after a load this owner's cache takes every row for
+        changed, the other shards' too, and re-reads them from the files, which lack the rows
+        other owners cache; the fetch then puts theirs in their places."""
+        super().refresh(batch)
         fetched, generation = batch.fetched
         if self.several and (fetched < self.submitted or generation != self.generation):
             self.check_open()
@@ -155,7 +172,16 @@ class RankOwner(RemoteOwner):
             batch._fetched(
                 torch.from_numpy(remote), torch.from_numpy(rows), self.submitted, self.generation
             )
-        super().refresh(batch)
+
+    def relookup(self, batch: EmbeddedBatch, ids: torch.Tensor) -> None:
+        if self.several:
+            raise DistributedNotSupportedError(
+                "a batch's ids were edited in place after its rows were looked up; a table "
+                "sharded over machines cannot look up the new ids alone (every rank would have "
+                "to join): make the edit in the dataset or the collate_fn, which run before "
+                "the lookup"
+            )
+        super().relookup(batch, ids)
 
     def _serve(self, ids: np.ndarray) -> np.ndarray:
         """Rows of this machine's shard for ranks of other machines, after the steps so far."""
@@ -281,6 +307,11 @@ class RankOwner(RemoteOwner):
     def close(self, raise_errors: bool = True) -> None:
         """Several machines: one last commit of every shard together first (or none: the
         owners never commit on their own), then each owner process is closed."""
+        if not self.closed and self.shards.lost is not None:
+            self._leave()
+            if raise_errors:
+                raise self.shards.lost
+            return
         error: BaseException | None = None
         if self.several and not self.closed and self.written != (None, None):
             try:
@@ -296,6 +327,22 @@ class RankOwner(RemoteOwner):
                 self.shards.close()
         if error is not None and raise_errors:
             raise error
+
+    def _leave(self) -> None:
+        """This rank's exchanges failed (a peer lost, ranks out of step, its rows not served):
+        it meets the other ranks no more, where its machine's others may wait for it in a
+        collective (a close meeting with them would wait as long). It leaves its owner process
+        without a close: the owner ends (a rank gone), the table stays at its last checkpoint,
+        and the other ranks raise as this rank's connections end."""
+        self.closed = True
+        if self.stream is not None:
+            self.end_stream(self.stream)
+        if self.gradient is not None:
+            self.gradient.close(stacklevel=5)
+        self._stop()
+        self._take_table_back(died=True)
+        self.machine = None
+        self.shards.close()
 
 
 def open_shared(table: Table | str | os.PathLike[str], shards: Shards) -> tuple[Table, bool]:

@@ -12,6 +12,10 @@ from ..errors import ServiceNotFoundError
 from .channel import Channel, peer_of
 from .serve import socket_path
 
+#: The owner process's program: ``module``'s ``main`` (not ``-m``, which would run the module a
+#: second time beside the one the package imports, and warn so on every start).
+_MAIN = "import sys; from embedpipe.service.{module} import main; sys.exit(main(sys.argv[1:]))"
+
 
 def start_owner(
     lock_fd: int | None, module: str = "server", *more: int
@@ -22,7 +26,7 @@ def start_owner(
     fds = (theirs.fileno(),) + ((lock_fd,) if lock_fd is not None else ()) + more[:1]
     try:
         process = subprocess.Popen(
-            [sys.executable, "-P", "-m", f"embedpipe.service.{module}", str(theirs.fileno()),
+            [sys.executable, "-P", "-c", _MAIN.format(module=module), str(theirs.fileno()),
              str(os.getpid()), *map(str, more)],
             pass_fds=fds,
             env=_environment(),

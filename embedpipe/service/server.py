@@ -1,7 +1,7 @@
 """The owner process: a table's :class:`~embedpipe.owner.owner.Owner`, served to one training
 process over a :class:`~embedpipe.service.channel.Channel`.
 
-The training process starts it (``python -m embedpipe.service.server FD PARENT``, the socket's
+The training process starts it (``main`` with ``FD PARENT``, the socket's
 other end as ``FD``) and sends what the owner needs to open the table; from then on this process
 is the table's only writer: it holds the writer lock, the cache and its policy, the optimizer
 state, the writeback thread and every read and write of the table's files. The training process
@@ -20,7 +20,8 @@ forth would cost two more copies of them per batch than the owner thread pays. S
 process copies the rows out of the workers' ring slot itself, as the owner thread does, and
 says whether it could (``have``). This process copies from the slot only the rows the cache
 lacks (the ones it may admit, and stage for the step), re-reads the rows steps changed since the
-lookup, and sends back only those (positions and rows). It sends every row only when it read
+lookup, and sends back only those (positions and rows), with the misses the workers left to it
+(while a lookahead stream reads them: ``foresight.py``). It sends every row only when it read
 them all itself: the slot was overwritten, or the lookup left the rows to it (``num_workers=0``).
 
 Warnings raised here (a failed write ahead of need) go back with the next reply and are raised
@@ -50,6 +51,8 @@ import torch
 from ..cache.policy import make_policy
 from ..cache.ring import BatchRing
 from ..cache.shm import SharedBlock
+from ..owner.foresee import IdsReader
+from ..owner.lookahead import Stream
 from ..owner.owner import Owner
 from ..store.lock import WriterLock
 from ..store.mapped import map_writes
@@ -94,11 +97,15 @@ class MachineShardOwner(ServedOwner):
             self.writeback.wait()
         with self.lock, self.cache._guard("loading a snapshot"):
             self.cache.reset()
+            # untrusted until every shard's files are the snapshot's: if the load fails, no
+            # commit takes this shard's files without the rows just dropped
+            self.cache._broken = "loading a snapshot was interrupted"
 
     def reopened(self, step: int) -> tuple[int, int]:
         """Rank 0's owner restored the snapshot of ``step`` and committed it: read the table's
         files again and go on from that step, as a load does last."""
         with self.lock:
+            self.cache._broken = None  # (``drain``)
             self.table._meta = Table._reader(self.table.path, self.table.path, "r+")._meta
             self.table._open_root(self.table.path)
             if self.writeback is not None:
@@ -183,8 +190,9 @@ class Server:
                     table._prepare(optimizer, m["keep"])
                 else:  # a machine's shard, without the lock: rank 0's owner prepared the table
                     table._owner = m["description"]
-                map_writes(table)  # this process alone grows by what it maps
-            policy = make_policy(m["policy"], m["cache_rows"], table.num_rows, 0)
+                if shard is None:  # (a machine's shard writes as a rank's: NOTE in mapped.py)
+                    map_writes(table)  # this process alone grows by what it maps
+            policy = make_policy(m["policy"], m["cache_rows"], table.num_rows, m["lookahead"])
             kind = ServedOwner if shard is None else MachineShardOwner
             self.owner = kind(table, policy, optimizer, m["options"], owns_table=owns_table)
             if shard is not None:
@@ -225,6 +233,10 @@ class Server:
         owner.trains_now = m["trains_now"]
         ring = self.rings.get(m["ring"])
         unique_ids = arrays[0]
+        stream = owner.stream
+        if m["foreseen"] and stream is not None:  # a batch of the loader whose order it sees
+            stream.claim(unique_ids)
+        blind = m["foreseen"] and stream is not None and stream.blind
         deferred = arrays[2] if len(arrays) > 2 else None
         item = LookedUp({}, unique_ids, unique_ids, m["slot"], m["tag"], None, m["lookup_step"],
                         m["hits"], m["misses"], deferred)  # fmt: skip
@@ -237,9 +249,11 @@ class Server:
         def deliver(final: np.ndarray, stale: np.ndarray | None, step: int, tick: int) -> None:
             nonlocal answered
             if stale is None or not m["have"]:
-                self.reply(step, tick, owner.generation, arrays=(final,))
-            else:
-                self.reply(step, tick, owner.generation, arrays=(stale, final[stale]))
+                self.reply(step, tick, owner.generation, blind, arrays=(final,))
+            else:  # the rows re-read, and the misses the workers left to this process
+                if deferred is not None and len(deferred):
+                    stale = np.union1d(stale, deferred)
+                self.reply(step, tick, owner.generation, blind, arrays=(stale, final[stale]))
             answered = True
 
         try:
@@ -248,6 +262,35 @@ class Server:
             if not answered or not isinstance(e, Exception):  # a service told to stop: now
                 raise
             self.later = e  # the admission after the reply failed: say it at the next request
+
+    def do_stream(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        """A loader's epoch foreseen (NOTE [ Foresight in an owner process ]): the training
+        process forked the child that reads the ids ahead and sends its pipes (and the loader's
+        flag that has the workers leave their misses); the stream runs here, at the policy."""
+        owner = self.owner
+        ids = IdsReader.adopt(fds[0], fds[1])
+        defer = SharedBlock.adopt(m["defer"], fds[2]) if m["defer"] is not None else None
+        fds.clear()  # the reader and the block have them now
+        if owner.stream is not None:
+            owner.end_stream(owner.stream)
+        owner.stream = Stream(owner, ids, m["first"], m["source"], defer)
+        self.reply()
+
+    def do_drawn(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        """The DataLoader drew batch ``number`` of the stream's epoch (no reply)."""
+        stream = self.owner.stream
+        if stream is not None and stream.source == m["source"]:
+            stream._drawn(m["number"])
+
+    def do_end_stream(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        """The stream's epoch is over or left (no reply)."""
+        stream = self.owner.stream
+        if stream is not None and stream.source == m["source"]:
+            self.owner.end_stream(stream)
+
+    def do_caught_up(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        stream = self.owner.stream
+        self.reply(stream is None or stream.caught_up)
 
     def do_refresh(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         stale, fresh, step, tick = self.owner.changed_rows(arrays[0], m["tick"])
@@ -314,6 +357,8 @@ class Server:
         owner, self.owner = self.owner, None
         if owner is None or owner.closed:
             return True
+        if owner.stream is not None:  # its threads, and its copies of the child's pipes
+            owner.end_stream(owner.stream)
         owner.closed = True
         if owner.writeback is not None and not owner.writeback.abandon(seconds):
             return False

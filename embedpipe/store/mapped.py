@@ -11,8 +11,12 @@ nothing the kernel holds, and a checkpoint's ``fsync`` writes them.
 
 Only the owner process maps (:func:`map_writes`): a mapped page counts in the resident set of
 the process that maps it, and the training process's memory must not grow with the table (with
-the owner in a thread, rows are written with ``pwrite``). The mapped bytes are bounded
-(``MAPPED_BYTES``): the chunks written least recently are unmapped first.
+the owner in a thread, rows are written with ``pwrite``). Not the owner of one machine's
+shard of a table sharded over machines either: its chunk files may be on a filesystem shared
+between machines (NFS), where a ``stat``'s link count may be cached and another machine's
+``fsync`` does not write this machine's mapped pages; it writes with ``pwrite`` as a rank of
+``owner="thread"`` does. The mapped bytes are bounded (``MAPPED_BYTES``): the chunks written
+least recently are unmapped first.
 
 A write through a mapping must never land where ``pwrite`` would not have, so each write looks
 at the chunk's path first (a ``stat``, as a read does):

@@ -156,3 +156,55 @@ def test_the_sparse_all_reduce_sums_every_ranks_rows_in_rank_order_and_moves_few
             assert moved["gradient_received_bytes"] == received
             assert moved["rows_sent_bytes"] == moved["rows_received_bytes"] == 0
     assert paths == {True, False}  # both ways were taken
+
+
+def _rows_by_machine(rank: int, machines: list, init: str, out: dict) -> None:
+    os.environ["GROUP_RANK"] = str(machines[rank])  # torchrun's node rank: the rank's machine
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=len(machines))
+    shards = Shards(dist.group.WORLD, timeout=60)
+    try:
+        shards.by_machine()
+        shards.plan(300, 10)
+        lo, hi = shards.owned
+        wanted = np.array([i for i in range(0, 300, 7) if not lo <= i < hi], dtype=np.int64)
+        outside = []
+
+        def serve(ids: np.ndarray) -> np.ndarray:  # row i is (i, i)
+            outside.extend(int(i) for i in ids if not lo <= i < hi)
+            return np.repeat(ids.astype(np.float32)[:, None], 2, axis=1)
+
+        got = shards.rows(0, 0, wanted, serve, 2, np.dtype(np.float32))
+        out[rank] = (
+            shards.shard,
+            shards.servers.tolist(),
+            bool((got[:, 0] == wanted).all()),
+            outside,
+        )
+    finally:
+        shards.close()
+        dist.destroy_process_group()
+
+
+def test_rows_of_machines_whose_ranks_interleave_come_from_their_own_machine(tmp_path):
+    """Five ranks on three machines dealt in turn (machines {0, 3}, {1, 4}, {2}, as a cyclic
+    placement gives): each machine's shard is asked of a rank of that machine, which serves
+    only ids of its shard, and every rank gets each id's own row (found wrong before: rank 3
+    sent its requests in shard order to ranks in another order)."""
+    machines = [0, 1, 2, 0, 1]
+    context = multiprocessing.get_context("spawn")
+    out = context.Manager().dict()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    ranks = [
+        context.Process(target=_rows_by_machine, args=(r, machines, init, out))
+        for r in range(len(machines))
+    ]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(120)
+        assert p.exitcode == 0
+    assert [out[r][0] for r in range(5)] == machines  # each rank's shard: its machine's
+    assert out[3][1] == [3, 4, 2]  # rank 3 asks the ranks at its place on each machine
+    for rank in range(5):
+        _, _, right, outside = out[rank]
+        assert right and not outside, (rank, out[rank])

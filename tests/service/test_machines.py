@@ -169,3 +169,33 @@ def test_lightning_and_accelerate_on_two_machines(framework_runs, framework):
     distributed.test_lightning_and_accelerate_ddp_train_the_table_they_train_with_nn_embedding(
         framework_runs, framework
     )
+
+
+@pytest.mark.slow
+def test_ranks_that_make_different_pipes_raise_before_an_owner_process_starts(tmp_path):
+    """Rank 1's pipe with another learning rate, or another padding row: every rank raises
+    (each machine's owner would otherwise train its shard its own way), and the table is free."""
+    said = distributed.make_pipes(tmp_path, owner="process")
+    assert said[None] == ["no error", "no error"]
+    for differ in ("lr", "padding_idx"):
+        distributed.assert_refused(tmp_path, said, differ)
+
+
+@pytest.mark.slow
+def test_a_batch_held_across_a_load_and_a_step_reads_every_machines_rows(tmp_path):
+    machines("held", str(tmp_path), per_machine=1, env={"PIPE_OWNER": "process"})
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"held-rank{rank}.json").read_text())["error"] == 0.0
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_to_serve_its_rows_makes_every_rank_raise_at_once(tmp_path):
+    """Two machines of two ranks; the last rank's owner fails to serve its rows (found by
+    review: the other rank of its machine waited in a collective for it while it waited in its
+    owner's close for that rank, until the 60 s timeout)."""
+    machines("serve_fails", str(tmp_path), per_machine=2, env={"PIPE_OWNER": "process"})
+    outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert outcomes[3]["error"] == "OSError", outcomes
+    for outcome in outcomes[:3]:
+        assert outcome["error"] in ("PeerLostError", "OwnerDiedError"), outcomes
+    assert max(o["after"] for o in outcomes) < 10, outcomes

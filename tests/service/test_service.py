@@ -216,7 +216,8 @@ def test_the_training_process_holds_no_cache_and_reads_no_table_file(tmp_path):
     # fresh processes differ by up to 40 MB from run to run (measured); the 50% cache is 537 MB
     assert abs(rss_large - rss_small) < 64 << 20, measured
     if read_small >= 0:  # the page cache could be dropped (root)
-        assert read_small == read_large == 0, measured
+        # (each reaped foresight child's reads are left out rounded down to 512 bytes: 2 epochs)
+        assert 0 <= read_small < 1024 and 0 <= read_large < 1024, measured
         assert owner_small > 0, measured  # the 1% cache's misses were read, elsewhere
 
 
