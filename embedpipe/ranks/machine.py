@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..cache.shm import SharedBlock
-from .shards import GRADIENT, Shards
+from .shards import GRADIENT, Shards, average
 
 #: Bytes a block keeps for each value of a row: room for any floating dtype of a gradient.
 VALUE_BYTES = 8
@@ -95,10 +95,9 @@ class MachineGradient:
                 for r, c in enumerate(counts)
             ]
         )
-        union, where = torch.unique(torch.from_numpy(every_id), return_inverse=True)
-        total = torch.zeros(len(union), self.dim, dtype=rows.dtype)
-        total.index_add_(0, where, every_grad * (1.0 / shards.size))  # as DDP: divide, then sum
-        return union, total.to(grad.device)
+        union = np.unique(every_id)
+        total = average(union, every_id, every_grad, shards.size)
+        return torch.from_numpy(union), total.to(grad.device)
 
 
 def _open(pid: int, fd: int) -> int:

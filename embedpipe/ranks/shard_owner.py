@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -58,24 +59,9 @@ class ShardOwner(Owner):
         if self.writeback is None:
             return
         super().refresh(batch)
-        submitted = self.writeback.submitted
-        fetched, generation = batch.fetched
-        if fetched < submitted - self.behind or generation != self.generation:
-            self.check_open()
-            ids = batch._unique_ids.numpy()
-            remote = np.flatnonzero(~self.shards.owns(ids))
-            table = self.table
-            rows = self.shards.rows(
-                submitted, self.generation, ids[remote], self._serve, table.dim, table.dtype
-            )
-            self.counts["remote_rows"] += len(remote)
-            # the owners applied at least submitted - behind steps before they answered
-            batch._fetched(
-                torch.from_numpy(remote),
-                torch.from_numpy(rows),
-                submitted - self.behind,
-                self.generation,
-            )
+        self.counts["remote_rows"] += fetch_remote(
+            self, batch, self.writeback.submitted, self._serve
+        )
 
     def _serve(self, ids: np.ndarray) -> np.ndarray:
         """Rows of this shard for the other ranks: with the steps submitted so far (as the
@@ -208,6 +194,30 @@ class ShardOwner(Owner):
             self.table.close()
         self.shards.close()
         return error
+
+
+def fetch_remote(
+    owner: Any, batch: EmbeddedBatch, submitted: int, serve: Callable[[np.ndarray], np.ndarray]
+) -> int:
+    """The rows of ``batch`` that other shards hold, from their owners (``Shards.rows``; this
+    rank answers theirs with ``serve``), unless fetched since the steps the consistency mode
+    lets a batch miss; returns how many. ``owner``: a :class:`ShardOwner`, or a rank's client
+    of its machine's owner process (``service/rank.py``)."""
+    fetched, generation = batch.fetched
+    if fetched >= submitted - owner.behind and generation == owner.generation:
+        return 0
+    owner.check_open()
+    ids = batch._unique_ids.numpy()
+    remote = np.flatnonzero(~owner.shards.owns(ids))
+    table = owner.table
+    rows = owner.shards.rows(
+        submitted, owner.generation, ids[remote], serve, table.dim, table.dtype
+    )
+    # the owners applied at least submitted - behind steps before they answered
+    batch._fetched(
+        torch.from_numpy(remote), torch.from_numpy(rows), submitted - owner.behind, owner.generation
+    )
+    return len(remote)
 
 
 def open_shard(

@@ -76,8 +76,8 @@ from ..errors import PeerLostError, ShardMismatchError
 #
 # With the sparse all-reduce a rank sends about (N-1)/N x (U + union) rows and receives as
 # many: at most U + V rows whatever N is, against DDP's 2 (N-1)/N x V; only the ids (8 bytes
-# each, against a row's D x 4) grow with N. Every rank ends with the whole averaged gradient, bit for bit what the gather gave, so
-# ``clip_grad_norm_`` computes DDP's global norm from ``pipe.parameter.grad`` as before (a
+# each, against a row's D x 4) grow with N. Every rank ends with the whole averaged gradient,
+# so ``clip_grad_norm_`` computes DDP's global norm from ``pipe.parameter.grad`` (a
 # reduce-scatter alone, U rows a rank, would leave each rank a part of it: a norm computed from
 # parts sums in another order than torch's, and the clipped table would differ in rounding).
 
@@ -114,6 +114,15 @@ def split(num_rows: int, chunk_rows: int, shards: int) -> np.ndarray:
     chunks = -(-num_rows // chunk_rows)
     edges = np.arange(shards + 1, dtype=np.int64) * chunks // shards
     return np.minimum(edges * chunk_rows, num_rows)
+
+
+def average(union: np.ndarray, ids: np.ndarray, rows: torch.Tensor, ranks: int) -> torch.Tensor:
+    """The rows of ``union`` (sorted ids): each of ``rows`` (of ``ids``: every rank's, in rank
+    order) times 1/``ranks``, summed in that order by one ``index_add_``, as DDP divides, then
+    sums. Every way the ranks average the gradient sums here, so all give the same bits."""
+    total = torch.zeros(len(union), rows.shape[1], dtype=rows.dtype)
+    where = torch.from_numpy(np.searchsorted(union, ids))
+    return total.index_add_(0, where, rows * (1.0 / ranks))
 
 
 # NOTE [ A fork never frees a process group ]
@@ -384,9 +393,7 @@ class Shards:
         moved = (self.size - 1) * padded.numel() * padded.element_size()
         self._count("gradient", moved, moved)
         every_grad = torch.cat([t[: len(e)] for t, e in zip(parts, every)])
-        where = torch.from_numpy(np.searchsorted(union, np.concatenate(every)))
-        total = torch.zeros(len(union), rows.shape[1], dtype=rows.dtype)
-        return total.index_add_(0, where, every_grad * (1.0 / self.size))  # divide, then sum
+        return average(union, np.concatenate(every), every_grad, self.size)
 
     def _reduce(
         self, every: list[np.ndarray], rows: torch.Tensor, union: np.ndarray
@@ -414,9 +421,7 @@ class Shards:
         owner = union % n
         summed_ids = union[owner == me]
         got_ids = np.concatenate([e[e % n == me] for e in every])
-        summed = torch.zeros(len(summed_ids), dim, dtype=dtype)
-        where = torch.from_numpy(np.searchsorted(summed_ids, got_ids))
-        summed.index_add_(0, where, parts * (1.0 / n))  # as DDP: divide, then sum
+        summed = average(summed_ids, got_ids, parts, n)
         # every rank's sums to every rank
         sizes = np.bincount(owner, minlength=n)
         out = torch.empty((len(union), dim), dtype=dtype)

@@ -52,7 +52,7 @@ import torch
 
 from ..errors import DistributedNotSupportedError
 from ..ranks.machine import MachineGradient
-from ..ranks.shard_owner import writer_on_rank_0
+from ..ranks.shard_owner import fetch_remote, writer_on_rank_0
 from ..ranks.shards import CLOSE, COMMIT, FLUSH, LOAD, Shards
 from ..store.checkpoints import Checkpoint
 from ..store.table import Table
@@ -159,19 +159,8 @@ class RankOwner(RemoteOwner):
         changed, the other shards' too, and re-reads them from the files, which lack the rows
         other owners cache; the fetch then puts theirs in their places."""
         super().refresh(batch)
-        fetched, generation = batch.fetched
-        if self.several and (fetched < self.submitted or generation != self.generation):
-            self.check_open()
-            ids = batch._unique_ids.numpy()
-            remote = np.flatnonzero(~self.shards.owns(ids))
-            table = self.table
-            rows = self.shards.rows(
-                self.submitted, self.generation, ids[remote], self._serve, table.dim, table.dtype
-            )
-            self.remote_rows += len(remote)
-            batch._fetched(
-                torch.from_numpy(remote), torch.from_numpy(rows), self.submitted, self.generation
-            )
+        if self.several:
+            self.remote_rows += fetch_remote(self, batch, self.submitted, self._serve)
 
     def relookup(self, batch: EmbeddedBatch, ids: torch.Tensor) -> None:
         if self.several:
