@@ -35,6 +35,7 @@ stays at its last checkpoint, as after a crash of one process.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import pickle
 import signal
@@ -388,6 +389,7 @@ def become_owner(fd: int, parent: int) -> Channel:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the training process's to take
     watch_parent(parent)
     torch.set_num_threads(1)  # the training process's cores are its own
+    gc.freeze()  # torch's import: 1e5s of objects no collection here need walk again
     return Channel(socket.socket(fileno=fd))
 
 

@@ -94,6 +94,9 @@ def test_every_section_and_target(tmp_path, capsys, words):
         assert t["met"] in (True, False, None) and t["goal"], t
     names = [r["name"] for r in result["sections"]["throughput"]["rows"]]
     assert sum(n.startswith("(a)") for n in names) == 4  # frozen and training, 0 and 2 workers
+    for r in result["sections"]["throughput"]["rows"]:  # every variant's CPU over its samples
+        assert 0 < r["cpu_ms_own"] <= r["cpu_ms_all"], r
+    assert any("training process CPU/batch" in t["target"] for t in targets)
     assert text.index("### Targets") < text.index("### Rows read")
     handoff = result["sections"]["handoff"]
     assert all(handoff[p]["first_ms"] > 0 for p in ("lfu", "lookahead", "auto"))

@@ -40,7 +40,16 @@ from ...pipe.handle import EmbeddingPipe
 from ...store.table import Table
 from .options import fraction, integer
 from .report import md_table, quartiles, ratio, target
-from .throughput import Variant, paired_rounds, summary
+from .throughput import (
+    CPU_HEADER,
+    CPU_NOTE,
+    Variant,
+    baseline_of,
+    cpu_cells,
+    cpu_target,
+    paired_rounds,
+    summary,
+)
 from .traces import TraceDataset, zipf_trace
 
 NAME = "accelerator"
@@ -152,10 +161,12 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
             r["name"],
             f"{r['batches_per_s']:.1f}",
             ratio(r["vs_baseline"]) if r["ratios"] else "1.00x",
+            *cpu_cells(r, baseline_of(r, result["rows"], ("ms",))),
         ]
         for r in result["rows"]
     ]
-    return head + "\n" + md_table(["T ms", "variant", "batches/s", "vs (a)"], rows) + "\n"
+    header = ["T ms", "variant", "batches/s", "vs (a)", *CPU_HEADER]
+    return head + "\n" + md_table(header, rows) + "\n" + CPU_NOTE + "\n"
 
 
 def targets(result: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -168,4 +179,5 @@ def targets(result: dict[str, Any] | None) -> list[dict[str, Any]]:
             out.append(
                 target(f"{r['name']}, {r['ms']:g} ms vs (a)", x, f">= {GOAL:.2f}x", x >= GOAL)
             )
+            out += cpu_target(r, baseline_of(r, result["rows"], ("ms",)))
     return out

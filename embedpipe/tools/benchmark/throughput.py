@@ -47,6 +47,7 @@ from ...pipe.handle import EmbeddingPipe
 from ...store.table import Table
 from ..simulate import lru_lookup
 from . import report as md
+from .cpu import CpuMeter
 from .options import fraction, integer
 from .report import target
 from .traces import Trace, TraceDataset, table_path, zipf_trace
@@ -120,21 +121,30 @@ class Variant:
     rates: list[float] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)
     before: dict[str, int] | None = None
+    cpu: CpuMeter = field(default_factory=CpuMeter)  # over the timed samples
+    timed_batches: int = 0
 
     @property
     def baseline(self) -> bool:
         return self.name.startswith("(a)")
 
-    def run(self, min_seconds: float = 0.0) -> float:
-        """Passes over the loader until ``min_seconds`` have gone by (one at least): batches/s."""
+    def run(self, min_seconds: float = 0.0, timed: bool = False) -> float:
+        """Passes over the loader until ``min_seconds`` have gone by (one at least): batches/s.
+        A ``timed`` sample adds to the variant's CPU meter."""
         n = 0
+        if timed:
+            self.cpu.start()
         start = time.perf_counter()
         with torch.enable_grad() if self.train else torch.no_grad():
             while n == 0 or time.perf_counter() - start < min_seconds:
                 for batch in self.loader:
                     self.step(batch)
                     n += 1
-        return n / (time.perf_counter() - start)
+        rate = n / (time.perf_counter() - start)
+        if timed:
+            self.cpu.stop()
+            self.timed_batches += n
+        return rate
 
     def counters(self) -> dict[str, int] | None:
         if self.pipe is None:
@@ -294,8 +304,8 @@ def paired_rounds(
                 continue
             for v in others:
                 bar.set_postfix_str(f"round {r + 1} {v.name[:34]} w={v.workers}")
-                base.rates.append(base.run(min_time))
-                v.rates.append(v.run(min_time))
+                base.rates.append(base.run(min_time, timed=True))
+                v.rates.append(v.run(min_time, timed=True))
                 v.ratios.append(v.rates[-1] / base.rates[-1])
                 bar.update(2)
 
@@ -317,6 +327,44 @@ def summary(v: Variant) -> dict[str, Any]:
         "vs_baseline": md.quartiles(v.ratios or [1.0]),
         "ratios": v.ratios,
         "counters": timed,
+        **cpu_per_batch(v),
+    }
+
+
+#: The CPU columns of a section's table, what they mean, and the target on the training process.
+CPU_HEADER = ["CPU ms/batch: training process", "all processes", "training vs (a)"]
+CPU_NOTE = (
+    "\nCPU ms/batch over the timed samples (`cpu.py`): the training process alone (all its "
+    "threads), and all processes (its DataLoader workers, the owner process, the lookahead's "
+    "child); training vs (a): the training process's CPU a batch against the baseline's.\n"
+)
+
+
+def baseline_of(row: dict[str, Any], rows: list[dict[str, Any]], same: tuple[str, ...]) -> Any:
+    """The (a) row with the same values of ``same`` as ``row``."""
+    return next(
+        (b for b in rows if b["name"].startswith("(a)") and all(b[k] == row[k] for k in same)),
+        None,
+    )
+
+
+def cpu_cells(row: dict[str, Any], base: dict[str, Any] | None) -> list[str]:
+    own, every = row.get("cpu_ms_own"), row.get("cpu_ms_all")
+    if own is None:
+        return ["-", "-", "-"]
+    vs = "-"
+    if base is not None and base.get("cpu_ms_own"):
+        vs = f"{own / base['cpu_ms_own']:.2f}x"
+    return [f"{own:.1f}", f"{every:.1f}", vs]
+
+
+def cpu_per_batch(v: Variant) -> dict[str, float | None]:
+    """CPU ms a batch over the timed samples: the training process's, and its whole tree's
+    (workers, owner process, lookahead child: ``cpu.py``)."""
+    n = v.timed_batches
+    return {
+        "cpu_ms_own": 1000 * v.cpu.own / n if n else None,
+        "cpu_ms_all": 1000 * v.cpu.tree / n if n else None,
     }
 
 
@@ -333,9 +381,10 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         "`pipe.stats()` over the timed passes.\n"
     )
     header = ["variant", "workers", "batches/s", "vs (a)", "rows read/batch", "hit rate"]
-    header += ["rows written/batch", "refreshed/batch"]
+    header += ["rows written/batch", "refreshed/batch", *CPU_HEADER]
     rows = []
     for r in result["rows"]:
+        base = baseline_of(r, result["rows"], ("workers", "train"))
         c = r["counters"]
         extra = ["-"] * 4
         if c and c["batches"]:
@@ -347,8 +396,9 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
                 f"{c['refreshed'] / c['batches']:.0f}" if r["train"] else "-",
             ]
         shown = md.ratio(r["vs_baseline"]) if r["ratios"] else "1.00x"
-        rows.append([r["name"], str(r["workers"]), f"{r['batches_per_s']:.1f}", shown, *extra])
-    return head + "\n" + md.md_table(header, rows) + "\n"
+        cells = [r["name"], str(r["workers"]), f"{r['batches_per_s']:.1f}", shown, *extra]
+        rows.append(cells + cpu_cells(r, base))
+    return head + "\n" + md.md_table(header, rows) + "\n" + CPU_NOTE + "\n"
 
 
 def targets(result: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -365,4 +415,14 @@ def targets(result: dict[str, Any] | None) -> list[dict[str, Any]]:
             x = r["vs_baseline"][1]
             text = f"{r['name']}, {r['workers']} workers, vs (a)"
             out.append(target(text, x, f">= {goal:.2f}x", x >= goal))
+            if r["workers"] > 0:
+                out += cpu_target(r, baseline_of(r, result["rows"], ("workers", "train")))
     return out
+
+
+def cpu_target(row: dict[str, Any], base: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The training process's CPU a batch at or below the baseline's (issue 22), with workers."""
+    if base is None or not base.get("cpu_ms_own") or row.get("cpu_ms_own") is None:
+        return []
+    x = row["cpu_ms_own"] / base["cpu_ms_own"]
+    return [target(f"{row['name']}: training process CPU/batch vs (a)", x, "<= 1.00x", x <= 1.0)]
