@@ -2,8 +2,10 @@
 
 - ``shm.py``: :class:`SharedBlock`, anonymous shared memory that dies with its processes;
 - ``ordering.py``: the memory barrier the seqlock needs on this CPU;
-- ``rowcache.py``: :class:`SharedRows` (the rows, their seqlock versions and ``slot_of``,
-  read by the workers) and :class:`RowCache` (the owner's admission, eviction and dirty rows);
+- ``sharedrows.py``: :class:`SharedRows` (the rows, their seqlock versions and ``slot_of``,
+  read by the workers);
+- ``rowcache.py``: :class:`RowCache` (the owner's admission, eviction, dirty rows and staged
+  copies);
 - ``policy.py``: the eviction policies (LRU, LFU, lookahead);
 - ``ring.py``: :class:`BatchRing`, the workers' slots for the rows of the batches in flight;
 - ``budget.py``: what a pipe's cache, ring and index cost in host memory, and the budget check.
@@ -12,7 +14,8 @@ Takes rows from the table through a ``fetch`` callable the owner hands down.
 """
 
 from .ring import BatchRing
-from .rowcache import RowCache, SharedRows
+from .rowcache import RowCache
+from .sharedrows import SharedRows
 from .shm import SharedBlock
 
 __all__ = ["BatchRing", "RowCache", "SharedBlock", "SharedRows"]

@@ -1,8 +1,8 @@
 """Memory accounting: what a pipe of a given cache size costs, and what this process may use.
 
 :func:`pipe_memory` adds up the host memory of a pipe from the shapes of the structures it
-allocates (``cache/rowcache.py``, ``policy.py``, ``ring.py``); :func:`available_memory` reads how much this
-process may still allocate (its cgroup's limit and the kernel's ``MemAvailable``);
+allocates (``sharedrows.py``, ``rowcache.py``, ``policy.py``, ``ring.py``);
+:func:`available_memory` reads how much this process may still allocate (its cgroup's limit and the kernel's ``MemAvailable``);
 :func:`warn_if_too_big` compares the two and warns before the kernel's OOM killer acts (measured
 in the benchmark: a 20% cache under a 600 MB memory limit was killed without a word).
 

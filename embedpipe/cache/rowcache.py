@@ -1,32 +1,11 @@
-"""The row cache: one block of shared memory that every worker reads and only the owner writes.
+"""The row cache, the owner's side of the shared cache (``sharedrows.py``).
 
 :class:`SharedRows` is the part that crosses processes: the row slab and its index, readable
-without locks from any DataLoader worker. :class:`RowCache` is the owner's side: admission and
-eviction through a policy, optimizer state for cached rows, dirty bits, and the write to the
-table that must happen before a dirty slot is reused (invariant 3).
-
-NOTE [ Seqlock reads of the shared cache ]
-Only the owner changes a slot, and it does so between two increments of the slot's version::
-
-    owner:   version[s] += 1 (odd)  ->  change slot_id / rows / slot_of  ->  version[s] += 1 (even)
-    worker:  s = slot_of[id];  v1 = version[s];  copy rows[s];  check slot_id[s] == id;  v2 = version[s]
-             the copy is good iff v1 == v2 and v1 is even and the slot still holds id
-
-A worker never waits: a copy that fails the check is a miss, and the row is read from the table.
-That read is never older than the cache was when the lookup began, because a dirty row is written
-to the table before its slot is released (``RowCache._evict``), and an update that lands after the
-lookup began is caught at hand-off by ``last_updated[id] > lookup_step`` (invariant 4).
-Each arrow above is separated by :func:`~embedpipe.cache.ordering.fence` where the CPU could reorder
-it (``ordering.py``).
-
-The owner's changes are safe to interrupt (a signal, an exception from a debugger's trace
-function) at any point. Version updates are idempotent: a change makes the version ``v | 1``
-(odd, whether or not an interrupted change left it odd) and ends at ``(v | 1) + 1``; a half-done
-``put`` or ``clear`` leaves at worst a slot that workers miss and the owner ignores (``slot_of``
-is the owner's truth, and ``clear`` only resets ``slot_of`` entries that still point at the
-slot); owner-side flags are reset before a slot is given away. The one change that cannot be
-left half done, the rows of an optimizer step, runs under :meth:`RowCache._guard`, which marks
-the cache broken if it is interrupted.
+without locks from any DataLoader worker (NOTE [ Seqlock reads of the shared cache ] there).
+:class:`RowCache` is the owner's side: admission and eviction through a policy, optimizer state
+for cached rows, dirty bits, and the write to the table that must happen before a dirty slot is
+reused (invariant 3). Its writes to the shared rows go through :class:`SharedRows`, each inside
+the slot's seqlock.
 """
 
 from __future__ import annotations
@@ -38,30 +17,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..errors import EmbedpipeError
-from .ordering import fence
 from .policy import LRU
-from .shm import SharedBlock
+from .sharedrows import SharedRows, take_rows
 
 #: Training batches whose uncached rows are kept for their step (``RowCache.stage``).
 MAX_STAGED = 16
 
 Fetch = Callable[[np.ndarray, str], np.ndarray]  # (ids, array name) -> rows, from the table
 Store = Callable[[np.ndarray, np.ndarray, str], None]  # (ids, rows, array name) -> None
-
-
-def take_rows(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """``rows[index]`` (``index`` int64), copied by torch's ``index_select``: measured 1.5-4x
-    faster than numpy's fancy indexing for a batch's 1,000+ rows of 256 floats."""
-    out = np.empty((len(index), rows.shape[1]), dtype=rows.dtype)
-    if len(index) and len(rows):
-        torch.index_select(
-            torch.from_numpy(rows), 0, torch.from_numpy(index), out=torch.from_numpy(out)
-        )
-    return out
-
 
 #: A copy of rows the cache lacks: (sorted ids, their rows, the clock tick they were read at).
 Copy = tuple[np.ndarray, np.ndarray, int]
@@ -91,112 +56,6 @@ class CacheBrokenError(EmbedpipeError, RuntimeError):
     untouched since its last checkpoint."""
 
 
-class SharedRows:
-    """The shared arrays of the cache, in one anonymous shared block (``shm.py``).
-
-    ``rows`` (C, D) the cached rows; ``slot_id`` (C,) the id in each slot or -1; ``version`` (C,)
-    the seqlock counters; ``slot_of`` (V,) the slot of each id or -1 (4 bytes per table row);
-    ``clock[0]`` the owner's update clock: one tick per optimizer step applied (``lookup_step``
-    and ``last_updated`` are in its ticks).
-    """
-
-    def __init__(self, num_rows: int, cache_rows: int, dim: int, dtype: Any) -> None:
-        self.block = SharedBlock(
-            {
-                "rows": ((cache_rows, dim), dtype, 0),
-                "slot_id": ((cache_rows,), np.int64, -1),
-                "version": ((cache_rows,), np.int64, 0),
-                "slot_of": ((num_rows,), np.int32, -1),
-                "clock": ((1,), np.int64, 0),
-            }
-        )
-        self._views()
-
-    def _views(self) -> None:
-        for name in ("rows", "slot_id", "version", "slot_of", "clock"):
-            setattr(self, name, self.block[name])
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"block": self.block}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.block = state["block"]
-        self._views()
-
-    @property
-    def cache_rows(self) -> int:
-        return len(self.slot_id)
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.rows.dtype
-
-    @property
-    def applied_step(self) -> int:
-        """The clock as a worker reads it before any row (the fence orders the reads after it)."""
-        tick = int(self.clock[0])
-        fence()
-        return tick
-
-    def publish(self, tick: int) -> None:
-        """Owner: publish the clock after the rows of that tick are in place."""
-        fence()
-        self.clock[0] = tick
-
-    def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Seqlock-validated copies of the cached rows of ``ids`` (unique, int64).
-
-        Returns ``(rows, hit)``: ``rows`` (U, D) holds the row of every id with ``hit`` True
-        (other rows are garbage). Never blocks; see the NOTE at the top of this module.
-        """
-        slots = self.slot_of[ids].astype(np.int64)
-        cached = np.flatnonzero(slots >= 0)
-        s = slots[cached]
-        before = self.version[s]
-        fence()
-        out = take_rows(self.rows, np.maximum(slots, 0))  # every id: a miss copies slot 0
-        good = (self.slot_id[s] == ids[cached]) & (before & 1 == 0)
-        fence()
-        good &= self.version[s] == before
-        hit = np.zeros(len(ids), dtype=bool)
-        hit[cached[good]] = True
-        return out, hit
-
-    # The owner's writes, each inside the slot's seqlock. Slots must be unique.
-    def _begin(self, slots: np.ndarray) -> np.ndarray:
-        odd = self.version[slots] | 1  # odd, even if an interrupted change left it odd
-        self.version[slots] = odd
-        fence()
-        return odd
-
-    def _end(self, slots: np.ndarray, odd: np.ndarray) -> None:
-        fence()
-        self.version[slots] = odd + 1
-
-    def put(self, slots: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Give ``slots`` to ``ids`` with ``rows`` (the slots must be empty)."""
-        odd = self._begin(slots)
-        self.slot_id[slots] = ids
-        self.rows[slots] = rows
-        self.slot_of[ids] = slots  # last: until here the owner sees the ids as not cached
-        self._end(slots, odd)
-
-    def overwrite(self, slots: np.ndarray, rows: np.ndarray) -> None:
-        """New contents for occupied ``slots``."""
-        odd = self._begin(slots)
-        self.rows[slots] = rows
-        self._end(slots, odd)
-
-    def clear(self, slots: np.ndarray) -> None:
-        """Empty ``slots``."""
-        odd = self._begin(slots)
-        ids = self.slot_id[slots]
-        mine = (ids >= 0) & (self.slot_of[np.maximum(ids, 0)] == slots)
-        self.slot_of[ids[mine]] = -1  # only entries still pointing here: clear is repeatable
-        self.slot_id[slots] = -1
-        self._end(slots, odd)
-
-
 @dataclass
 class Update:
     """One optimizer step's working copy: ``rows`` and ``state`` (U, D) of ``ids``; ``slots`` -1
@@ -207,9 +66,15 @@ class Update:
     rows: np.ndarray
     state: dict[str, np.ndarray]
 
-    def copy(self) -> Update:
+    def uncached(self) -> Update:
+        """A copy of the rows and state that are not cached (what :meth:`RowCache.scatter` writes
+        to the table, and puts back if that write fails)."""
+        rest = self.slots < 0
         return Update(
-            self.ids, self.slots, self.rows.copy(), {k: v.copy() for k, v in self.state.items()}
+            self.ids[rest],
+            self.slots[rest],
+            self.rows[rest],  # fancy indexing: copies
+            {k: v[rest] for k, v in self.state.items()},
         )
 
 
@@ -304,30 +169,46 @@ class RowCache:
         self._load_state(s)
         self.pinned[s] = True
         rows = take_rows(self.shared.rows, np.maximum(slots, 0))  # the uncached: set below
-        rest = np.flatnonzero(~cached)
-        if len(rest):  # the batches' staged copies first, the table for the others
-            found, staged = from_copies(
-                reversed(self.staged), ids[rest], self.last_updated, rows.shape[1], rows.dtype
-            )
-            rows[rest[found]] = staged[found]
-            self.counts["staged"] += int(found.sum())
-            if not found.all():
-                rows[rest[~found]] = self._fetch(ids[rest[~found]], "weight")
-        self.staged.clear()  # the batches handed out so far are in this step, or never will be
         state = {name: np.empty_like(rows) for name in self.state}
         for name, array in self.state.items():
             state[name][cached] = array[s]
-            if not cached.all():
-                state[name][~cached] = self._fetch(ids[~cached], name)
+        rest = np.flatnonzero(~cached)
+        if len(rest):  # the batches' staged copies first, the table for the others
+            dim = rows.shape[1]
+            found, staged = from_copies(
+                reversed(self.staged), ids[rest], self.last_updated, dim * self.staged_width,
+                rows.dtype,
+            )  # fmt: skip
+            got, lack = rest[found], rest[~found]
+            rows[got] = staged[found, :dim]
+            for k, name in enumerate(self.state, 1):
+                state[name][got] = staged[found, k * dim : (k + 1) * dim]
+            self.counts["staged"] += len(got)
+            if len(lack):
+                rows[lack] = self._fetch(ids[lack], "weight")
+                for name in self.state:
+                    state[name][lack] = self._fetch(ids[lack], name)
+        self.staged.clear()  # the batches handed out so far are in this step, or never will be
         return Update(ids, slots, rows, state)
 
+    @property
+    def staged_width(self) -> int:
+        """Rows of width ``dim`` a staged copy holds side by side: the row and its state."""
+        return 1 + len(self.state)
+
     def stage(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Keep the rows of a training batch that are not cached (a copy, current at this tick)
-        for its optimizer step, so the step does not read them again (the last
-        :data:`MAX_STAGED` batches)."""
-        missing = np.flatnonzero(self.shared.slot_of[ids] < 0)
+        """Keep the rows of a training batch that are not cached, with their optimizer state
+        read from the table now (a copy, current at this tick), for its optimizer step, so the
+        step reads neither (the last :data:`MAX_STAGED` batches). Its cached rows get their state
+        now too: the hand-off runs while the training process computes; the step waits on it.
+        """
+        slots = self.shared.slot_of[ids].astype(np.int64)
+        self._load_state(slots[slots >= 0])
+        missing = np.flatnonzero(slots < 0)
         if len(missing):
-            self.staged.append((ids[missing], rows[missing].copy(), self.clock))
+            held = ids[missing]
+            parts = [rows[missing], *(self._fetch(held, name) for name in self.state)]
+            self.staged.append((held, np.hstack(parts) if len(parts) > 1 else parts[0], self.clock))
 
     def scatter(self, update: Update, before: Update) -> int:
         """Put the updated rows back: into their pinned slots, and into the table for the rest;
@@ -335,9 +216,9 @@ class RowCache:
 
         A row that was not cached at :meth:`gather` is written to the table; if a hand-off has
         admitted it since, its cached copy is replaced too, so no update is lost. ``before`` holds
-        the rows and state of ``update`` as they were: if the table write fails midway, the rows
-        already written are put back, so the table holds the step before, whole, and the error
-        is raised; if even that fails the cache is marked broken.
+        those rows and their state as they were (:meth:`Update.uncached`): if the table write
+        fails midway, the rows already written are put back, so the table holds the step before,
+        whole, and the error is raised; if even that fails the cache is marked broken.
         """
         ids, slots, rows, state = update.ids, update.slots, update.rows, update.state
         cached = slots >= 0
@@ -346,7 +227,7 @@ class RowCache:
             try:
                 self._store(ids[rest], rows[rest], {k: v[rest] for k, v in state.items()})
             except BaseException as e:
-                self._roll_back(ids[rest], before, rest, e)
+                self._roll_back(before, e)
                 raise
         with self._guard("an optimizer step's update of the cached rows"):
             if len(rest):
@@ -365,12 +246,10 @@ class RowCache:
             self.last_updated[ids] = self.clock
         return self.clock
 
-    def _roll_back(
-        self, ids: np.ndarray, before: Update, rest: np.ndarray, error: BaseException
-    ) -> None:
+    def _roll_back(self, before: Update, error: BaseException) -> None:
         """Put the rows and state of a step whose table write failed back as they were."""
         try:
-            self._store(ids, before.rows[rest], {k: v[rest] for k, v in before.state.items()})
+            self._store(before.ids, before.rows, before.state)
         except BaseException as again:
             self._broken = f"an optimizer step's table write failed ({error}) and could not be undone ({again})"
 

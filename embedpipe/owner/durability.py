@@ -22,7 +22,8 @@ from ..errors import TableExistsError, TableWriteError, WritebackError
 from ..store import checkpoints
 
 if TYPE_CHECKING:
-    from ..cache.rowcache import RowCache, SharedRows
+    from ..cache.rowcache import RowCache
+    from ..cache.sharedrows import SharedRows
     from ..optim import RowOptimizer
     from ..store.checkpoints import Checkpoint
     from ..store.table import Table

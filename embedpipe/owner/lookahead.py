@@ -49,7 +49,8 @@ from typing import Any, Protocol
 import numpy as np
 from torch.utils.data import BatchSampler
 
-from ..cache.rowcache import Copy, RowCache, SharedRows, from_copies
+from ..cache.rowcache import Copy, RowCache, from_copies
+from ..cache.sharedrows import SharedRows
 from ..cache.shm import SharedBlock
 from ..store.layout import WEIGHT
 from ..store.table import Table

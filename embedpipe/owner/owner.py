@@ -38,7 +38,8 @@ import torch
 from ..cache import ordering
 from ..cache.policy import LRU, Lookahead
 from ..cache.ring import BatchRing
-from ..cache.rowcache import RowCache, SharedRows
+from ..cache.rowcache import RowCache
+from ..cache.sharedrows import SharedRows
 from ..cache.shm import SharedBlock
 from ..errors import TableWriteError
 from ..ids import as_ids, unique_inverse
@@ -361,7 +362,7 @@ class Owner:
             if self.looks_ahead:
                 self.cache.policy.release()  # the step's rows are pinned now
         try:
-            before = work.copy() if (work.slots < 0).any() else work  # for a failed table write
+            before = work.uncached()  # for a failed table write
             update_in_float32(self.optimizer, work.rows, work.state, grad, step, lr)
             with self.lock:
                 self._step_in_progress = step

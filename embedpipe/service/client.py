@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..cache.ring import BatchRing
-from ..cache.rowcache import SharedRows
+from ..cache.sharedrows import SharedRows
 from ..cache.shm import SharedBlock
 from ..errors import OwnerDiedError
 from ..ids import as_ids, unique_inverse

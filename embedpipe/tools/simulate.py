@@ -12,7 +12,7 @@ The policies:
   of the rows it held and the rows just read, the ``cache_rows`` used again soonest; a row never
   used again is not kept. No policy of that size reads fewer rows: the optimum to compare with.
 - ``"lru"``, ``"lfu"``, ``"auto"`` (and every other name ``embedpipe.cache.policy`` knows): embedpipe's
-  own policy, replayed through its real :class:`~embedpipe.cache.rowcache.SharedRows` and
+  own policy, replayed through its real :class:`~embedpipe.cache.sharedrows.SharedRows` and
   :class:`~embedpipe.cache.rowcache.RowCache` at row width 1, in the order a loader with ``num_workers=0``
   runs (:func:`replay_pipe`), so a real pipe over the same trace reports the same
   ``stats()["rows_read"]``.
@@ -36,7 +36,8 @@ import cachetools
 import numpy as np
 
 from ..cache import policy as policies
-from ..cache.rowcache import RowCache, SharedRows
+from ..cache.rowcache import RowCache
+from ..cache.sharedrows import SharedRows
 
 #: embedpipe's own policies (replayed through its cache code), as ``embedpipe.cache.policy`` lists them.
 PIPE_POLICIES: tuple[str, ...] = tuple(policies.POLICIES)

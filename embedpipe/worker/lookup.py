@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from ..cache.ring import BatchRing
-from ..cache.rowcache import SharedRows
+from ..cache.sharedrows import SharedRows
 from ..cache.shm import SharedBlock
 from ..errors import IdOutOfRangeError
 from ..ids import as_ids, unique_inverse

@@ -24,7 +24,8 @@ from embedpipe.cache.budget import (
 )
 from embedpipe.cache.policy import POLICIES, make_policy
 from embedpipe.cache.ring import DEFAULT_RING_ROWS, BatchRing
-from embedpipe.cache.rowcache import RowCache, SharedRows
+from embedpipe.cache.rowcache import RowCache
+from embedpipe.cache.sharedrows import SharedRows
 
 
 def arrays_of(obj: object) -> list[np.ndarray]:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+from typing import Any
 
 import numpy as np
 import pytest
 
 from embedpipe.cache.policy import LRU
-from embedpipe.cache.rowcache import RowCache, SharedRows
+from embedpipe.cache.rowcache import RowCache
+from embedpipe.cache.sharedrows import SharedRows
 
 V, D = 50, 8
 WIDE = 4096
@@ -55,7 +57,7 @@ def test_dirty_rows_are_written_back_before_their_slot_is_reused():
     cache.admit(np.array([1, 2]), table["weight"][[1, 2]])
     work = cache.gather(np.array([1]))
     work.rows += 100
-    cache.scatter(work, work.copy())
+    cache.scatter(work, work.uncached())
     assert not writes and table["weight"][1, 0] == 8  # still only in the cache
     cache.admit(np.array([4]), table["weight"][[4]])  # evicts the LRU row: 1, dirty
     assert writes == [("weight", np.array([1]))]
@@ -71,7 +73,7 @@ def test_rows_being_updated_are_pinned_and_late_admissions_get_the_update():
     cache.admit(np.array([5, 30]), table["weight"][[5, 30]])  # nothing to evict: 1 and 2 pinned
     assert cache.shared.slot_of[[5, 30]].tolist() == [-1, -1]
     work.rows += 1
-    cache.scatter(work, work.copy())
+    cache.scatter(work, work.uncached())
     assert table["weight"][30, 0] == 30 * D + 1  # the uncached row went to the table
     cache.admit(np.array([30]), table["weight"][[30]])
     work = cache.gather(np.array([30]))
@@ -79,11 +81,14 @@ def test_rows_being_updated_are_pinned_and_late_admissions_get_the_update():
     assert cache.last_updated[[1, 2, 30, 5]].tolist() == [1, 1, 1, 0]
 
 
-def _churn(shared: SharedRows, rounds: int) -> None:
+def _churn(shared: SharedRows, rounds: int, stop: Any = None) -> None:
     """The owner: keep moving ids between slots and rewriting rows; every row is filled with its id
-    plus 100 times a counter (exact in float32), so a torn copy shows as a row whose values disagree."""
+    plus 100 times a counter (exact in float32), so a torn copy shows as a row whose values disagree.
+    Runs ``rounds`` rounds, or until ``stop`` is set."""
     rng = np.random.default_rng(0)
     for n in range(rounds):
+        if stop is not None and stop.is_set():
+            return
         slots = np.sort(rng.choice(shared.cache_rows, 3, replace=False))
         old = shared.slot_id[slots]
         shared.clear(slots[old >= 0])
@@ -105,18 +110,24 @@ def _churn(shared: SharedRows, rounds: int) -> None:
 @pytest.mark.timeout(120)
 def test_concurrent_reads_never_return_a_torn_or_wrong_row():
     # Wide rows, so that copies take long enough to overlap the owner's writes.
+    # The owner churns until the reader has checked enough rows (however the machine schedules
+    # the two: a fixed number of rounds left a starved reader with too few).
     shared = SharedRows(V, 8, WIDE, np.float32)
-    owner = mp.get_context("fork").Process(target=_churn, args=(shared, 20000))
+    ctx = mp.get_context("fork")
+    stop = ctx.Event()
+    owner = ctx.Process(target=_churn, args=(shared, 10**9, stop))
     owner.start()
-    hits = 0
+    hits, reads = 0, 0
     try:
-        while owner.is_alive():
+        while owner.is_alive() and (hits < 2000 or reads < 5000):
             ids = np.arange(V)
             rows, hit = shared.read(ids)
             good = rows[hit]
             assert (good == good[:, :1]).all(), "torn row"
             np.testing.assert_array_equal(good[:, 0] % 100, ids[hit])  # the row of that id
             hits += int(hit.sum())
+            reads += 1
     finally:
+        stop.set()
         owner.join(timeout=60)
-    assert owner.exitcode == 0 and hits > 100
+    assert owner.exitcode == 0 and hits >= 2000

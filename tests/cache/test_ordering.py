@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from embedpipe.cache import ordering, ring
-from embedpipe.cache import rowcache as cache
+from embedpipe.cache import sharedrows as cache
 from embedpipe.cache.ring import BatchRing
-from embedpipe.cache.rowcache import SharedRows
+from embedpipe.cache.sharedrows import SharedRows
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ import torch
 
 import embedpipe
 from embedpipe.cache.policy import LFU, LRU, make_policy
-from embedpipe.cache.rowcache import RowCache, SharedRows
+from embedpipe.cache.rowcache import RowCache
+from embedpipe.cache.sharedrows import SharedRows
 
 
 def test_lru_frees_empty_slots_first_then_the_oldest():

@@ -11,7 +11,8 @@ import torch
 
 import embedpipe
 from embedpipe.cache.policy import NEVER, Lookahead, make_policy
-from embedpipe.cache.rowcache import RowCache, SharedRows
+from embedpipe.cache.rowcache import RowCache
+from embedpipe.cache.sharedrows import SharedRows
 from embedpipe.owner.lookahead import Ahead
 from embedpipe.tools import simulate
 
