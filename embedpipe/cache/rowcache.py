@@ -10,6 +10,7 @@ the slot's seqlock.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -117,6 +118,9 @@ class RowCache:
             ("evictions", "rows_read", "rows_written", "cleaned_ahead", "staged"), 0
         )
         self._broken: str | None = None  # what was interrupted, once the cache cannot be trusted
+        #: The table's writes, one at a time: a step's :meth:`write_uncached` runs outside the
+        #: owner's lock, beside a hand-off's evictions (a chunk is copied on write: not twice).
+        self.io_lock = threading.Lock()
 
     # ----------------------------------------------------------------- hand-off (main thread)
     def current(self, ids: np.ndarray) -> np.ndarray:
@@ -211,24 +215,36 @@ class RowCache:
             self.staged.append((held, np.hstack(parts) if len(parts) > 1 else parts[0], self.clock))
 
     def scatter(self, update: Update, before: Update) -> int:
-        """Put the updated rows back: into their pinned slots, and into the table for the rest;
-        returns the clock tick of this update, for the owner to publish.
+        """Put the updated rows back: :meth:`write_uncached`, then :meth:`put_back`."""
+        self.write_uncached(update, before)
+        return self.put_back(update)
 
-        A row that was not cached at :meth:`gather` is written to the table; if a hand-off has
-        admitted it since, its cached copy is replaced too, so no update is lost. ``before`` holds
-        those rows and their state as they were (:meth:`Update.uncached`): if the table write
-        fails midway, the rows already written are put back, so the table holds the step before,
-        whole, and the error is raised; if even that fails the cache is marked broken.
-        """
-        ids, slots, rows, state = update.ids, update.slots, update.rows, update.state
-        cached = slots >= 0
-        rest = np.flatnonzero(~cached)
-        if len(rest):  # first the table: if the write fails, the cache is untouched
+    def write_uncached(self, update: Update, before: Update) -> None:
+        """Write the updated rows that were not cached at :meth:`gather` to the table, first: if
+        the write fails, the cache is untouched. ``before`` holds those rows and their state as
+        they were (:meth:`Update.uncached`): if the write fails midway, the rows already written
+        are put back, so the table holds the step before, whole, and the error is raised; if even
+        that fails the cache is marked broken. Touches only the table and the update: the owner
+        runs it outside its lock (its table writes are serialised on their own)."""
+        ids, rows, state = update.ids, update.rows, update.state
+        rest = np.flatnonzero(update.slots < 0)
+        if len(rest):
             try:
                 self._store(ids[rest], rows[rest], {k: v[rest] for k, v in state.items()})
             except BaseException as e:
                 self._roll_back(before, e)
                 raise
+
+    def put_back(self, update: Update) -> int:
+        """Put the updated rows into their pinned slots (after :meth:`write_uncached`); returns
+        the clock tick of this update, for the owner to publish.
+
+        A row that was not cached at :meth:`gather` is in the table already; if a hand-off has
+        admitted it since, its cached copy is replaced too, so no update is lost.
+        """
+        ids, slots, rows, state = update.ids, update.slots, update.rows, update.state
+        cached = slots >= 0
+        rest = np.flatnonzero(~cached)
         with self._guard("an optimizer step's update of the cached rows"):
             if len(rest):
                 now = self.shared.slot_of[ids[rest]].astype(np.int64)
@@ -364,7 +380,8 @@ class RowCache:
 
     def _store(self, ids: np.ndarray, rows: np.ndarray, state: dict[str, np.ndarray]) -> None:
         order = np.argsort(ids)  # one pass over the chunks
-        self.store(ids[order], rows[order], "weight")
-        for name, values in state.items():
-            self.store(ids[order], values[order], name)
-        self.counts["rows_written"] += len(ids)
+        with self.io_lock:
+            self.store(ids[order], rows[order], "weight")
+            for name, values in state.items():
+                self.store(ids[order], values[order], name)
+            self.counts["rows_written"] += len(ids)

@@ -49,6 +49,7 @@ from ..store.table import Table
 from ..worker.batch import EmbeddedBatch
 from ..worker.looked_up import LookedUp
 from . import durability, lookahead
+from .computed import Computed
 from .foresee import BatchIds, IdsReader
 from .gradient import TableGradient, refuse_non_finite, without_padding
 from .lookahead import Ahead, Stream
@@ -125,6 +126,7 @@ class Owner:
             0,
         )
         self._step_in_progress: int | None = None  # for the messages of failed table writes
+        self._computed: Computed | None = None  # the last step's rows, once computed
         #: The policy sees the loader's next batches (``lookahead.py``); ``stream`` feeds it.
         #: Not when the cache holds the whole table: nothing to choose then.
         self.looks_ahead = isinstance(policy, Lookahead) and 0 < policy.cache_rows < table.num_rows
@@ -188,8 +190,10 @@ class Owner:
         if self.counts["batches"] == 0 and self.gradient is not None:
             self.gradient.see_optimizers()  # before a hand-written warmup changes their rates
         ids = item.unique_ids
-        self._wait_for_steps()
-        step = self.applied_step  # the cache holds at least these steps' updates from here on
+        computed = self._wait_for_rows()
+        # the cache holds at least these steps' updates from here on (with `computed`: the
+        # rows of the last one are taken from it below)
+        step = self.applied_step if computed is None else computed.step
         hits, misses = item.hits, item.misses
         with self.lock:
             stale = None
@@ -208,6 +212,8 @@ class Owner:
                 if len(stale):
                     rows[stale] = self.cache.current(ids[stale])
                     self.counts["refreshed"] += len(stale)
+            if computed is not None:
+                stale = computed.take(ids, rows, stale, self.counts)
             tick = self.cache.clock
             if deliver is not None:
                 deliver(rows, stale, step, tick)
@@ -318,6 +324,25 @@ class Owner:
         if self.writeback is not None:
             self.writeback.wait(self.behind)
 
+    def _wait_for_rows(self) -> Computed | None:
+        """A hand-off's wait: as :meth:`_wait_for_steps`, but in exact mode over the whole
+        table only until the last step's rows are computed; returns them (None: every step
+        it needs is applied)."""
+        if self.consistency != "exact" or self.owns(np.empty(0, np.int64)) is not None:
+            self._wait_for_steps()
+            return None
+        if self.writeback is None:
+            return None
+        self.writeback.wait(0, computed=True)
+        computed = self._computed
+        if (
+            computed is None
+            or computed.step != self.writeback.submitted
+            or computed.generation != self.generation
+        ):
+            return None  # nothing submitted since the table was opened or loaded
+        return computed if self.writeback.applied < computed.step else None
+
     def owns(self, ids: np.ndarray) -> np.ndarray | None:
         """Which of ``ids`` this owner keeps, as a mask; None when it keeps them all."""
         lo, hi = self.owned
@@ -355,8 +380,10 @@ class Owner:
 
     # ------------------------------------------------------------------------- writeback thread
     def apply(self, ids: np.ndarray, grad: torch.Tensor, step: int, lr: float | None) -> None:
-        """One optimizer step (``lr`` None: the optimizer's own); the update itself runs outside
-        the lock, so hand-offs go on."""
+        """One optimizer step (``lr`` None: the optimizer's own); the update and the table write
+        run outside the lock, so hand-offs go on: in exact mode a hand-off waits only until the
+        new rows are computed, and takes the step's from there (NOTE [ A hand-off waits for
+        the step's rows, not its writes ])."""
         with self.lock:
             work = self.cache.gather(ids)
             if self.looks_ahead:
@@ -364,9 +391,12 @@ class Owner:
         try:
             before = work.uncached()  # for a failed table write
             update_in_float32(self.optimizer, work.rows, work.state, grad, step, lr)
+            self._computed = Computed(step, ids, work.rows, self.generation)
+            self.writeback.computed_now(step)  # a hand-off waiting for this step goes on
+            self._step_in_progress = step
+            self.cache.write_uncached(work, before)  # outside the lock: hand-offs go on
             with self.lock:
-                self._step_in_progress = step
-                tick = self.cache.scatter(work, before)
+                tick = self.cache.put_back(work)
                 self.shared.publish(tick)  # last: a lookup that saw the tick sees the rows
         except BaseException:
             with self.lock:

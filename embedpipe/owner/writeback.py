@@ -79,6 +79,9 @@ class Writeback:
         self._applied = threading.Condition()
         self.submitted = step  # steps handed to the queue (written by the training loop only)
         self.applied = step  # steps applied (written by the thread only)
+        #: the step whose new rows are computed, not yet in the cache and the table (``apply``
+        #: says so through :meth:`computed_now`; the owner's hand-off may take them from there)
+        self.computed = step
         self.stall_seconds = STALL_SECONDS
         self._idle_polls = 0  # times the thread found the queue empty for IDLE_SECONDS
         self._error: tuple[int, BaseException] | None = None
@@ -99,13 +102,22 @@ class Writeback:
         self._queue.put(GradBatch(ids, grad, self.submitted, lr))
         return self.submitted
 
-    def wait(self, behind: int = 0, timeout: float | None = None) -> None:
-        """Block until at most ``behind`` submitted steps are unapplied (or raise the thread's error)."""
+    def computed_now(self, step: int) -> None:
+        """Called by ``apply`` (the thread) once ``step``'s new rows are computed: a wait with
+        ``computed=True`` ends now, before they are written."""
+        with self._applied:
+            self.computed = step
+            self._applied.notify_all()
+
+    def wait(self, behind: int = 0, timeout: float | None = None, computed: bool = False) -> None:
+        """Block until at most ``behind`` submitted steps are unapplied (or raise the thread's
+        error); ``computed``: until the last one is at least computed (every one before it is
+        applied then: the thread applies them in order)."""
         target = self.submitted - behind
         waited = 0.0
         with self._applied:
             polls = self._idle_polls
-            while self.applied < target:
+            while self.applied < target and not (computed and self.computed >= target):
                 self.raise_error()
                 if not self._thread.is_alive():
                     raise WritebackError("the writeback thread has stopped; the pipe was closed")
@@ -136,7 +148,7 @@ class Writeback:
     def restart_at(self, step: int) -> None:
         """Number the steps from ``step`` on (the table was replaced); the queue must be empty."""
         self.wait()
-        self.submitted = self.applied = step
+        self.submitted = self.applied = self.computed = step
 
     def raise_error(self) -> None:
         if self._error is not None:

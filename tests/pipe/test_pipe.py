@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -171,3 +173,40 @@ def test_batch_sampler_passes_through(tmp_path):
         batches = list(pipe.loader(data, batch_sampler=sampler))
     assert [len(b["input_ids"]) for b in batches] == [5, 5]
     assert torch.equal(batches[1]["inputs_embeds"], weight[5:10][:, None])
+
+
+def test_a_hand_off_that_takes_a_step_before_its_rows_are_written_trains_bit_for_bit(
+    tmp_path, data, monkeypatch
+):
+    # Every step's table write waits, so every hand-off comes while the last step's rows are
+    # computed and not yet written: it must take them from the step (NOTE [ A hand-off waits
+    # for the step's rows, not its writes ]), and wait for nothing more.
+    from embedpipe.cache.rowcache import RowCache
+    from embedpipe.owner.computed import Computed
+
+    write_uncached, take = RowCache.write_uncached, Computed.take
+    taken = []
+
+    def slow_write(self, update, before):
+        time.sleep(0.05)
+        write_uncached(self, update, before)
+
+    def counted_take(self, ids, rows, stale, counts):
+        taken.append(int(np.isin(ids, self.ids).sum()))
+        return take(self, ids, rows, stale, counts)
+
+    monkeypatch.setattr(RowCache, "write_uncached", slow_write)
+    monkeypatch.setattr(Computed, "take", counted_take)
+    reference, ref_model, _ = train_reference(data, "adagrad", lr=0.5)
+    table, model, _, _ = train_offloaded(
+        data,
+        "adagrad",
+        lr=0.5,
+        path=tmp_path / "t.zarr",
+        cache_rows=VOCAB // 20,
+        num_workers=2,
+        owner="thread",
+    )
+    assert len(taken) >= STEPS // 2 and sum(taken) > 0  # most hand-offs took rows of a step
+    assert torch.equal(table, reference)
+    assert same_dense_params(model, ref_model)

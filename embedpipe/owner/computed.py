@@ -1,0 +1,68 @@
+"""A step's new rows, computed and not yet written: what an exact-mode hand-off takes them from.
+
+NOTE [ A hand-off waits for the step's rows, not its writes ]
+In exact mode a batch's rows must hold every step submitted before its hand-off. The hand-off of
+batch t+1 comes right after the step of batch t, so it used to wait for that whole step: read the
+rows and their state, compute the update, write the rows the cache lacks to the table, put the
+cached ones back into the cache, publish. Only the computed rows matter to the hand-off: it
+re-reads the rows of steps since the lookup anyway, and step t's are in the writeback thread's
+hands as soon as the update is computed. So :meth:`Owner.apply` publishes them there
+(:class:`Computed`, and ``Writeback.computed_now``) before it writes anything, and writes the
+table outside the owner's lock; a hand-off in exact mode waits for that moment only
+(``Owner._wait_for_rows``), then, under the lock:
+
+- the rows of steps before t are final in the cache and the table (the thread applies steps in
+  order: step t is computed only once step t-1 is written and published);
+- every row of the batch that step t changed is taken from the computed rows, whatever the
+  cache or the table held for it a moment before (the table write of those rows may be under
+  way: a read of them could be torn, and is overwritten here);
+- the batch is told it holds step t's rows (its ``step``), at the clock tick before step t's
+  (its ``tick``): a later refresh re-reads step t's rows once more, which is harmless.
+
+The rest runs beside the step's writes: the table write takes its own lock (``RowCache.io_lock``)
+against the hand-off's evictions, and touches only rows of step t, none of which a hand-off
+reads from the table (it takes them from here) or evicts dirty (they are admitted clean, and
+made dirty only when the step puts them back under the owner's lock). A step whose table write
+fails raises at the next call into the pipe, as before; a batch handed off meanwhile holds that
+step's rows, and the loop stops at its next step.
+
+Not with ``max_staleness`` (a batch may miss steps there anyway) nor with a table sharded over
+ranks (the other shards' rows come from their owners, who know nothing of this).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Computed:
+    """Step ``step``'s new rows ``rows`` of ``ids`` (unique), as the writeback thread computed
+    them, in the snapshot generation ``generation``."""
+
+    step: int
+    ids: np.ndarray
+    rows: np.ndarray
+    generation: int
+    order: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.order = np.argsort(self.ids)
+
+    def take(
+        self, ids: np.ndarray, rows: np.ndarray, stale: np.ndarray | None, counts: dict[str, int]
+    ) -> np.ndarray | None:
+        """Put the step's rows of ``ids`` (unique) into ``rows``; returns the positions re-read,
+        ``stale`` and these (None stays None: the owner read every row)."""
+        if not len(self.ids) or not len(ids):
+            return stale
+        sorted_ids = self.ids[self.order]
+        at = np.minimum(np.searchsorted(sorted_ids, ids), len(sorted_ids) - 1)
+        changed = np.flatnonzero(sorted_ids[at] == ids)
+        rows[changed] = self.rows[self.order[at[changed]]]
+        if stale is None:
+            return None
+        counts["refreshed"] += len(np.setdiff1d(changed, stale, assume_unique=True))
+        return np.union1d(stale, changed)
