@@ -7,7 +7,9 @@ would for the pipe, its loaders and its batches. What stays in the training proc
 - the claim: a batch's unique ids and ring slot go to the owner, its final rows come back
   (the owner reads the ring slot itself: the workers' ring is shared with it);
 - the pending gradient, as ``pipe.parameter.grad`` (``owner/gradient.py``): backward, clipping
-  and the optimizer step see it here; each step's ``(U, D)`` gradient goes to the owner as bytes;
+  and the optimizer step see it here; each step's ``(U, D)`` gradient goes to the owner;
+
+the rows and gradients through shared memory beside the connection (``transfer.py``);
 - ``inputs_embeds``, made from the rows on the batch's device.
 
 The cache, its policy, the optimizer state, the writeback and every read and write of the table
@@ -57,6 +59,7 @@ from ..worker.orphans import exit_reason
 from .channel import Channel, ChannelClosed, interrupts_held
 from .foresight import RemoteStream
 from .reach import connect, start_owner
+from .transfer import Transfer
 
 #: How long ``close()`` waits for the owner process to exit once it has committed.
 EXIT_SECONDS = 30.0
@@ -122,6 +125,8 @@ class RemoteOwner:
         self.channel: Channel | None = None
         self.owner_pid: int | None = None  # said by the owner when it has opened the table
         self.submitted = 0  # steps sent (every request says how many: ``job.py``)
+        self.transfer: Transfer | None = None  # reply rows and gradients (``transfer.py``)
+        self._torch_dtype = getattr(torch, table.dtype.name)
         opening = {
             "op": "open",
             "path": table.path,
@@ -213,7 +218,8 @@ class RemoteOwner:
         if item.deferred is not None:
             arrays += (item.deferred,)
         stream = self.stream
-        (step, tick, generation, blind), got, _ = self._request(
+        transfer = self._transfer()
+        (step, tick, generation, blind, every, shared), got, _ = self._request(
             {
                 "op": "claim",
                 "ring": self._ring_number(ring),
@@ -230,12 +236,23 @@ class RemoteOwner:
         )
         if blind and stream is not None:
             stream.blind = True  # the loader says why, and stops looking ahead
-        if len(got) == 1:  # every row, read by the owner
-            rows = got[0]
+        if transfer is not None:
+            transfer.replied(step, generation)
+        fresh = transfer.take_reply(shared) if shared >= 0 else got[-1]
+        if every:  # every row, read by the owner
+            rows = fresh.copy() if shared >= 0 else fresh
         else:  # the rows re-read since the lookup
-            stale, fresh = got
-            rows[stale] = fresh
+            rows[got[0]] = fresh
         return EmbeddedBatch._handed_off(item, rows, self, pin, step, tick, generation)
+
+    def _transfer(self) -> Transfer | None:
+        """The block for reply rows and gradients, made and sent at the first claim or step
+        (NOTE [ Rows and gradients through shared memory ] in ``transfer.py``)."""
+        if self.transfer is None:
+            transfer = Transfer.make(self.table.dim, self.table.dtype)
+            self._request({"op": "transfer", "layout": transfer.layout()}, fds=(transfer.block.fd,))
+            self.transfer = transfer
+        return self.transfer
 
     def refresh(self, batch: EmbeddedBatch) -> None:
         """As ``Owner.refresh``: re-read the rows steps changed since the batch's rows were read."""
@@ -273,10 +290,13 @@ class RemoteOwner:
             refuse_non_finite(ids, grad, self.submitted + 1)
 
     def submit(self, ids: torch.Tensor, grad: torch.Tensor, lr: float | None) -> None:
-        """Send one step's gradient to the owner process (no reply: see the module docstring)."""
-        grad = grad.detach().to("cpu", getattr(torch, self.table.dtype.name))
-        self.submitted += 1  # first: a Ctrl-C held back until the step is sent is raised after
-        self._request({"op": "submit", "lr": lr}, (ids.numpy(), grad.numpy()), reply=False)
+        """Send one step's gradient to the owner process (no reply: see the module docstring),
+        through the transfer block where it may."""
+        step = self.submitted + 1
+        slot = self._transfer().put_gradient(step, self.generation, grad)
+        sent = () if slot >= 0 else (grad.detach().to("cpu", self._torch_dtype).numpy(),)
+        self.submitted = step  # first: a Ctrl-C held back until the step is sent is raised after
+        self._request({"op": "submit", "lr": lr, "slot": slot}, (ids.numpy(), *sent), reply=False)
 
     # ----------------------------------------------------------------------------- the table
     def before_read(self) -> None:

@@ -60,6 +60,7 @@ from ..store.mapped import map_writes
 from ..store.table import Table
 from ..worker.looked_up import LookedUp
 from .channel import Channel, ChannelClosed
+from .transfer import Transfer
 
 #: How often the owner process looks whether its training process is still its parent.
 PARENT_POLL_SECONDS = 0.2
@@ -124,6 +125,7 @@ class Server:
         self.owner: ServedOwner | None = None
         self.rings: dict[int, BatchRing] = {}
         self.later: BaseException | None = None  # the error of a request already answered
+        self.transfer: Transfer | None = None  # rows and gradients in shared memory
         self.warned: list[tuple[str, str]] = []
         self.done = False
 
@@ -226,6 +228,12 @@ class Server:
         self.rings[m["ring"]] = ring
         self.reply()
 
+    def do_transfer(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        """The training process's block for reply rows and gradients (``transfer.py``)."""
+        self.transfer = Transfer.adopt(m["layout"], fds[0])
+        fds.clear()  # the block has it now
+        self.reply()
+
     def do_claim(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         """A batch's claim: the training process copied its rows out of the ring (``have``);
         this process reads from the slot only the rows the cache lacks (to admit them), and
@@ -249,12 +257,17 @@ class Server:
 
         def deliver(final: np.ndarray, stale: np.ndarray | None, step: int, tick: int) -> None:
             nonlocal answered
-            if stale is None or not m["have"]:
-                self.reply(step, tick, owner.generation, blind, arrays=(final,))
-            else:  # the rows re-read, and the misses the workers left to this process
+            every = stale is None or not m["have"]
+            if not every:  # the rows re-read, and the misses the workers left to this process
                 if deferred is not None and len(deferred):
                     stale = np.union1d(stale, deferred)
-                self.reply(step, tick, owner.generation, blind, arrays=(stale, final[stale]))
+                final = final[stale]
+            shared = self.transfer.put_reply(final) if self.transfer is not None else -1
+            sent = (
+                () if shared >= 0 else (final,)
+            )  # NOTE [ Rows and gradients through shared memory ]
+            sent = sent if every else (stale, *sent)
+            self.reply(step, tick, owner.generation, blind, every, shared, arrays=sent)
             answered = True
 
         try:
@@ -313,8 +326,10 @@ class Server:
         self.reply(arrays=(rows,))
 
     def do_submit(self, m: dict[str, Any], arrays: list, fds: list) -> None:
-        ids, grad = arrays
-        self.owner.submit(torch.from_numpy(ids), torch.from_numpy(grad), m["lr"])
+        ids = arrays[0]
+        slot = m.get("slot", -1)  # in the transfer block, or sent
+        grad = self.transfer.gradient(slot, len(ids)) if slot >= 0 else torch.from_numpy(arrays[1])
+        self.owner.submit(torch.from_numpy(ids), grad, m["lr"])
 
     def do_wait(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         if self.owner.writeback is not None:
