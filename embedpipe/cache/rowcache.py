@@ -58,6 +58,16 @@ class CacheBrokenError(EmbedpipeError, RuntimeError):
 
 
 @dataclass
+class Pinned:
+    """A step's ``ids`` and their ``slots`` (-1: not cached), pinned; the ``staged`` copies
+    (newest first) the step may take its uncached rows from."""
+
+    ids: np.ndarray
+    slots: np.ndarray
+    staged: list[Copy]
+
+
+@dataclass
 class Update:
     """One optimizer step's working copy: ``rows`` and ``state`` (U, D) of ``ids``; ``slots`` -1
     where the id was not cached. The optimizer changes ``rows`` and ``state`` in place."""
@@ -121,6 +131,7 @@ class RowCache:
         #: The table's writes, one at a time: a step's :meth:`write_uncached` runs outside the
         #: owner's lock, beside a hand-off's evictions (a chunk is copied on write: not twice).
         self.io_lock = threading.Lock()
+        self._counting = threading.Lock()
 
     # ----------------------------------------------------------------- hand-off (main thread)
     def current(self, ids: np.ndarray) -> np.ndarray:
@@ -160,18 +171,28 @@ class RowCache:
         self.policy.record(ids, slots)
 
     # ----------------------------------------------------------------- writeback thread
-    def gather(self, ids: np.ndarray) -> Update:
-        """Copies of the rows and state of ``ids`` (unique) for an optimizer step.
-
-        Cached rows are pinned: no admission evicts them until :meth:`scatter`, so the step can be
-        computed outside the pipe's lock while hand-offs go on.
-        """
+    def pin(self, ids: np.ndarray) -> Pinned:
+        """Pin the cached rows of ``ids`` (unique) for an optimizer step, with their state
+        loaded: no admission evicts them until :meth:`put_back`, and only the step changes them,
+        so :meth:`gather` can copy them outside the owner's lock while hand-offs go on. Takes
+        the staged copies of the batches handed out so far: they are in this step, or never
+        will be."""
         self._check()
         slots = self.shared.slot_of[ids].astype(np.int64)
-        cached = slots >= 0
-        s = slots[cached]
+        s = slots[slots >= 0]
         self._load_state(s)
         self.pinned[s] = True
+        staged = list(reversed(self.staged))
+        self.staged.clear()
+        return Pinned(ids, slots, staged)
+
+    def gather(self, ids: np.ndarray, pinned: Pinned | None = None) -> Update:
+        """Copies of the rows and state of ``ids`` (unique) for an optimizer step, pinned by
+        :meth:`pin` (under the owner's lock; this copy needs none) or here."""
+        pinned = self.pin(ids) if pinned is None else pinned
+        slots = pinned.slots
+        cached = slots >= 0
+        s = slots[cached]
         rows = take_rows(self.shared.rows, np.maximum(slots, 0))  # the uncached: set below
         state = {name: np.empty_like(rows) for name in self.state}
         for name, array in self.state.items():
@@ -180,9 +201,8 @@ class RowCache:
         if len(rest):  # the batches' staged copies first, the table for the others
             dim = rows.shape[1]
             found, staged = from_copies(
-                reversed(self.staged), ids[rest], self.last_updated, dim * self.staged_width,
-                rows.dtype,
-            )  # fmt: skip
+                pinned.staged, ids[rest], self.last_updated, dim * self.staged_width, rows.dtype
+            )
             got, lack = rest[found], rest[~found]
             rows[got] = staged[found, :dim]
             for k, name in enumerate(self.state, 1):
@@ -192,7 +212,6 @@ class RowCache:
                 rows[lack] = self._fetch(ids[lack], "weight")
                 for name in self.state:
                     state[name][lack] = self._fetch(ids[lack], name)
-        self.staged.clear()  # the batches handed out so far are in this step, or never will be
         return Update(ids, slots, rows, state)
 
     @property
@@ -269,9 +288,9 @@ class RowCache:
         except BaseException as again:
             self._broken = f"an optimizer step's table write failed ({error}) and could not be undone ({again})"
 
-    def unpin(self, update: Update) -> None:
-        """Release the slots of a step that failed between :meth:`gather` and :meth:`scatter`."""
-        self.pinned[update.slots[update.slots >= 0]] = False
+    def unpin(self, slots: np.ndarray) -> None:
+        """Release the slots of a step that failed between :meth:`pin` and :meth:`put_back`."""
+        self.pinned[slots[slots >= 0]] = False
 
     def _put_rows(self, slots: np.ndarray, rows: np.ndarray, state: dict[str, np.ndarray]) -> None:
         self.shared.overwrite(slots, rows)
@@ -374,8 +393,14 @@ class RowCache:
                 array[missing] = self._fetch(ids, name)
         self.state_loaded[missing] = True
 
+    def count_read(self, rows: int) -> None:
+        """Rows read from the table, counted: a step's reads run outside the owner's lock."""
+        with self._counting:
+            self.counts["rows_read"] += rows
+
     def _fetch(self, ids: np.ndarray, name: str) -> np.ndarray:
-        self.counts["rows_read"] += len(ids) if name == "weight" else 0
+        if name == "weight":
+            self.count_read(len(ids))
         return self.fetch(ids, name)
 
     def _store(self, ids: np.ndarray, rows: np.ndarray, state: dict[str, np.ndarray]) -> None:

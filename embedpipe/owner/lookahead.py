@@ -423,7 +423,7 @@ class Stream:
             if todo.any():
                 rows[todo] = self._reader().read(missing[todo])
             with self.owner.lock:
-                cache.counts["rows_read"] += int(todo.sum())
+                cache.count_read(int(todo.sum()))
                 self.buffers[number] = (missing, rows, tick)
         finally:
             with self.wake:

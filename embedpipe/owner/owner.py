@@ -385,10 +385,11 @@ class Owner:
         new rows are computed, and takes the step's from there (NOTE [ A hand-off waits for
         the step's rows, not its writes ])."""
         with self.lock:
-            work = self.cache.gather(ids)
+            pinned = self.cache.pin(ids)
             if self.looks_ahead:
                 self.cache.policy.release()  # the step's rows are pinned now
         try:
+            work = self.cache.gather(ids, pinned)  # outside the lock: only this step changes them
             before = work.uncached()  # for a failed table write
             update_in_float32(self.optimizer, work.rows, work.state, grad, step, lr)
             self._computed = Computed(step, ids, work.rows, self.generation)
@@ -400,7 +401,7 @@ class Owner:
                 self.shared.publish(tick)  # last: a lookup that saw the tick sees the rows
         except BaseException:
             with self.lock:
-                self.cache.unpin(work)
+                self.cache.unpin(pinned.slots)
             raise
         finally:
             self._step_in_progress = None
