@@ -35,6 +35,8 @@ TINY = [
     "--accel-batches", "2",
     "--accel-repeats", "1",
     "--accel-ms", "1",
+    "--tok-batches", "2",
+    "--tok-repeats", "1",
 ]  # fmt: skip
 #: The cold section's options at its smallest, where this checkout has the section.
 COLD = [
@@ -101,14 +103,19 @@ def test_every_section_and_target(tmp_path, capsys, words):
     handoff = result["sections"]["handoff"]
     assert all(handoff[p]["first_ms"] > 0 for p in ("lfu", "lookahead", "auto"))
     headings = ("### Throughput", "### Beside a simulated", "### Real model", "### Memory")
+    headings += ("### Tokenizing dataset",)
+    tokenized = result["sections"]["tokenized"]
+    assert [r["name"][:3] for r in tokenized["rows"]] == ["(a)", "(d)", "(a)", "(d)"]
+    assert all(r["batches_per_s"] > 0 for r in tokenized["rows"])
     for heading in (*headings, "### Hand-off", "Total time"):
         assert heading in text
 
 
 def test_skipped_sections_are_not_measured(tmp_path, capsys):
     result, text = run(
-        tmp_path, capsys, "--skip", "rows", "handoff", "throughput", "accelerator", "model", "cold"
-    )
+        tmp_path, capsys, "--skip", "rows", "handoff", "throughput", "tokenized", "accelerator",
+        "model", "cold",
+    )  # fmt: skip
     assert set(result["sections"]) == {"memory"}
     assert all(t["measured"] is None and t["met"] is None for t in result["targets"])
     assert "not measured" in text and "### Rows read" not in text
@@ -117,7 +124,8 @@ def test_skipped_sections_are_not_measured(tmp_path, capsys):
 #: The distributed section at its smallest: one launch of 1 rank and one of 2 (~30 s on 2 cores).
 DIST = [
     "--distributed",
-    "--skip", "rows", "handoff", "throughput", "accelerator", "model", "memory", "cold",
+    "--skip", "rows", "handoff", "throughput", "tokenized", "accelerator", "model", "memory",
+    "cold",
     "--dist-ranks", "1", "2",
     "--dist-batches", "2",
     "--dist-warmup", "1",

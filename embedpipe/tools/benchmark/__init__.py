@@ -39,7 +39,7 @@ import torch
 import zarr
 
 from ... import __version__
-from . import accelerator, distributed, handoff, memory, model, rows, throughput
+from . import accelerator, distributed, handoff, memory, model, rows, throughput, tokenized
 from .options import apply_quick, integer
 from .report import target, targets_table
 
@@ -61,6 +61,7 @@ SECTIONS: list[ModuleType] = [
     rows,
     handoff,
     throughput,
+    tokenized,
     accelerator,
     model,
     memory,

@@ -73,7 +73,7 @@ def text_files(spec: list[str]) -> list[str]:
     return files
 
 
-def _words(path: str) -> list[str]:
+def words_of(path: str) -> list[str]:
     with open(path, encoding="utf-8", errors="replace") as f:
         return re.findall(r"\w+|[^\w\s]", f.read().lower())
 
@@ -86,10 +86,10 @@ def text_trace(files: list[str], args: argparse.Namespace, batches: int) -> Trac
     """
     counts: Counter[str] = Counter()
     for path in files:
-        counts.update(_words(path))
+        counts.update(words_of(path))
     rank = {w: r for r, (w, _) in enumerate(counts.most_common(args.vocab - 1))}
     unk = args.vocab - 1
-    tokens = np.concatenate([np.array([rank.get(w, unk) for w in _words(p)]) for p in files])
+    tokens = np.concatenate([np.array([rank.get(w, unk) for w in words_of(p)]) for p in files])
     rng = np.random.default_rng(args.seed + 1)
     ids = rng.permutation(args.vocab)[tokens.astype(np.int64)]
     seqs = ids[: len(ids) // args.seq_len * args.seq_len].reshape(-1, args.seq_len)
