@@ -26,8 +26,10 @@ made dirty only when the step puts them back under the owner's lock). A step who
 fails raises at the next call into the pipe, as before; a batch handed off meanwhile holds that
 step's rows, and the loop stops at its next step.
 
-Not with ``max_staleness`` (a batch may miss steps there anyway) nor with a table sharded over
-ranks (the other shards' rows come from their owners, who know nothing of this).
+Not with ``max_staleness`` nor with a table sharded over ranks (the other shards' rows come from
+their owners, who know nothing of this): there a hand-off may run before the step's
+``last_updated`` moves and would not re-read a row the step is half way through writing, so the
+step writes the table under the owner's lock, as before (``Owner.takes_computed_rows``).
 """
 
 from __future__ import annotations

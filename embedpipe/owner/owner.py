@@ -324,11 +324,17 @@ class Owner:
         if self.writeback is not None:
             self.writeback.wait(self.behind)
 
+    @property
+    def takes_computed_rows(self) -> bool:
+        """Exact mode over the whole table: a hand-off takes the last step's rows as computed, the
+        step writes the table outside the lock (NOTE in ``computed.py``); else under it."""
+        return self.consistency == "exact" and self.owns(np.empty(0, np.int64)) is None
+
     def _wait_for_rows(self) -> Computed | None:
         """A hand-off's wait: as :meth:`_wait_for_steps`, but in exact mode over the whole
         table only until the last step's rows are computed; returns them (None: every step
         it needs is applied)."""
-        if self.consistency != "exact" or self.owns(np.empty(0, np.int64)) is not None:
+        if not self.takes_computed_rows:
             self._wait_for_steps()
             return None
         if self.writeback is None:
@@ -395,8 +401,11 @@ class Owner:
             self._computed = Computed(step, ids, work.rows, self.generation)
             self.writeback.computed_now(step)  # a hand-off waiting for this step goes on
             self._step_in_progress = step
-            self.cache.write_uncached(work, before)  # outside the lock: hand-offs go on
+            if self.takes_computed_rows:  # outside the lock: hand-offs go on
+                self.cache.write_uncached(work, before)
             with self.lock:
+                if not self.takes_computed_rows:  # a hand-off must not see the rows half-written
+                    self.cache.write_uncached(work, before)
                 tick = self.cache.put_back(work)
                 self.shared.publish(tick)  # last: a lookup that saw the tick sees the rows
         except BaseException:

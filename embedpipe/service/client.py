@@ -7,9 +7,8 @@ would for the pipe, its loaders and its batches. What stays in the training proc
 - the claim: a batch's unique ids and ring slot go to the owner, its final rows come back
   (the owner reads the ring slot itself: the workers' ring is shared with it);
 - the pending gradient, as ``pipe.parameter.grad`` (``owner/gradient.py``): backward, clipping
-  and the optimizer step see it here; each step's ``(U, D)`` gradient goes to the owner;
-
-the rows and gradients through shared memory beside the connection (``transfer.py``);
+  and the optimizer step see it here; each step's ``(U, D)`` gradient goes to the owner
+  (rows and gradients cross in shared memory beside the connection: ``transfer.py``);
 - ``inputs_embeds``, made from the rows on the batch's device.
 
 The cache, its policy, the optimizer state, the writeback and every read and write of the table
@@ -219,7 +218,7 @@ class RemoteOwner:
             arrays += (item.deferred,)
         stream = self.stream
         transfer = self._transfer()
-        (step, tick, generation, blind, every, shared), got, _ = self._request(
+        (step, tick, generation, blind, every, _), got, _ = self._request(
             {
                 "op": "claim",
                 "ring": self._ring_number(ring),
@@ -233,21 +232,21 @@ class RemoteOwner:
                 "foreseen": stream is not None and stream.take_claim(),
             },
             arrays,
+            shared_rows=5,
         )
         if blind and stream is not None:
             stream.blind = True  # the loader says why, and stops looking ahead
         if transfer is not None:
             transfer.replied(step, generation)
-        fresh = transfer.take_reply(shared) if shared >= 0 else got[-1]
+        fresh = got[-1]  # sent, or copied out of the transfer block by _request
         if every:  # every row, read by the owner
-            rows = fresh.copy() if shared >= 0 else fresh
+            rows = fresh
         else:  # the rows re-read since the lookup
             rows[got[0]] = fresh
         return EmbeddedBatch._handed_off(item, rows, self, pin, step, tick, generation)
 
     def _transfer(self) -> Transfer | None:
-        """The block for reply rows and gradients, made and sent at the first claim or step
-        (NOTE [ Rows and gradients through shared memory ] in ``transfer.py``)."""
+        """The block for reply rows and gradients, sent at the first claim or step (``transfer.py``)."""
         if self.transfer is None:
             transfer = Transfer.make(self.table.dim, self.table.dtype)
             self._request({"op": "transfer", "layout": transfer.layout()}, fds=(transfer.block.fd,))
@@ -290,8 +289,7 @@ class RemoteOwner:
             refuse_non_finite(ids, grad, self.submitted + 1)
 
     def submit(self, ids: torch.Tensor, grad: torch.Tensor, lr: float | None) -> None:
-        """Send one step's gradient to the owner process (no reply: see the module docstring),
-        through the transfer block where it may."""
+        """Send one step's gradient to the owner process (no reply: see the module docstring)."""
         step = self.submitted + 1
         slot = self._transfer().put_gradient(step, self.generation, grad)
         sent = () if slot >= 0 else (grad.detach().to("cpu", self._torch_dtype).numpy(),)
@@ -387,11 +385,14 @@ class RemoteOwner:
         arrays: tuple[np.ndarray, ...] = (),
         reply: bool = True,
         fds: tuple[int, ...] = (),
+        shared_rows: int | None = None,
     ) -> Any:
         """Send ``message`` and return the owner process's reply (``ok`` values, arrays,
         descriptors), raising its error. A Ctrl-C is held back while bytes cross and taken while
         the reply is awaited: then the reply is owed, and read and dropped before the next
-        request, so the two processes never fall out of step."""
+        request, so the two processes never fall out of step. ``shared_rows``: which ``ok`` value
+        counts the reply's rows in the transfer block: copied out here, before another thread's
+        request can overwrite them, as the last array."""
         message.setdefault("after", self.submitted)
         with self._lock, interrupts_held() as interrupted:
             if self._dropped:
@@ -406,6 +407,8 @@ class RemoteOwner:
                 self._owed += 1
                 answer, got, received = self.channel.receive(waiting=interrupted)
                 self._owed -= 1
+                if shared_rows is not None and "ok" in answer and answer["ok"][shared_rows] >= 0:
+                    got = [*got, self.transfer.take_reply(answer["ok"][shared_rows]).copy()]
             except ChannelClosed as e:
                 raise self._died() from e
         error = answer.get("error")

@@ -10,8 +10,9 @@ receiver take turns, on a machine whose cores the model, the workers and the own
 block at the first request that needs it and sends its descriptor; then:
 
 - a claim's reply rows: the owner writes them into ``reply`` and says how many; the training
-  process copies them out before it sends anything else. Requests on a connection are served
-  one at a time, so the next reply cannot overwrite them first;
+  process copies them out while it still holds the connection (two threads may claim through
+  one pipe). Requests on a connection are served one at a time, so the next reply cannot
+  overwrite them first;
 - a step's gradient: the training process writes it into one of two ``grad`` slots, in turn,
   and sends the slot's number; the owner's writeback computes the step from it in place. Slot
   ``s % 2`` is written for step ``s`` only once a reply said that step ``s - 2`` is computed

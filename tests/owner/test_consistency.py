@@ -83,3 +83,45 @@ def test_bounded_mode_respects_and_reaches_the_bound(
     )
     assert max(seen) <= max_staleness  # never older than the bound...
     assert np.mean(np.array(seen) == max_staleness) > 0.5  # ...and under load, mostly at it
+
+
+def test_bounded_mode_never_hands_out_a_row_its_step_is_half_way_through_writing(
+    tmp_path, monkeypatch
+):
+    # A step writes its uncached rows in two halves with a pause between (a multi-KB row's
+    # write can be seen part-way). In bounded mode a hand-off may run while the step is under
+    # way, and must not see the half-written rows: every row counts its updates (SGD lr 1 on
+    # -sum), so a batch's row must be one value along D.
+    from embedpipe.cache.rowcache import RowCache
+
+    write_uncached = RowCache.write_uncached
+
+    def in_halves(self, update, before):
+        rest = np.flatnonzero(update.slots < 0)
+        if len(rest):
+            half = before.rows.copy()
+            half[:, : D // 2] = update.rows[rest, : D // 2]
+            self._store(update.ids[rest], half, {})
+            time.sleep(0.02)
+        write_uncached(self, update, before)
+
+    monkeypatch.setattr(RowCache, "write_uncached", in_halves)
+    embedpipe.Table.create(tmp_path / "t.zarr", V, D, init="zeros", chunk_rows=8).close()
+    data = [{"input_ids": torch.randperm(V)} for _ in range(30)]
+    torn = 0
+    with EmbeddingPipe(
+        tmp_path / "t.zarr",
+        cache_rows=10,
+        optimizer=embedpipe.optim.SGD(lr=1.0),
+        consistency="bounded",
+        max_staleness=1,
+        owner="thread",
+    ) as pipe:
+        for batch in pipe.loader(data, batch_size=1):
+            rows = batch["inputs_embeds"][0].detach()
+            torn += int(not torch.equal(rows, rows[:, :1].expand(V, D)))
+            time.sleep(0.025)
+            (-batch["inputs_embeds"]).sum().backward()
+            pipe.step()
+            time.sleep(0.005)
+    assert torn == 0

@@ -262,3 +262,41 @@ def test_a_signal_in_the_middle_of_a_request_never_puts_the_replies_out_of_step(
         pipe.stats()
     pipe.close()
     assert embedpipe.Table.open(tmp_path / "t.zarr", "r+").step == 8  # the lock is free
+
+
+def test_two_threads_claiming_through_one_owner_process_get_their_own_rows(tmp_path, monkeypatch):
+    # A claim's rows come back in the transfer block, which the next reply overwrites: each
+    # thread must copy its rows out before another thread's request is answered (a pause where
+    # the rows are taken out of the block makes the two threads interleave there).
+    import threading
+
+    from embedpipe.service import transfer
+
+    take_reply = transfer.Transfer.take_reply
+
+    def slow_take(self, n):
+        rows = take_reply(self, n)
+        time.sleep(0.02)
+        return rows
+
+    monkeypatch.setattr(transfer.Transfer, "take_reply", slow_take)
+    V, D = 40, 4
+    weight = torch.arange(V, dtype=torch.float32)[:, None].expand(V, D).contiguous()
+    embedpipe.Table.from_tensor(tmp_path / "t.zarr", weight, chunk_rows=8).close()
+    wrong, claimed = [], []
+    with EmbeddingPipe(tmp_path / "t.zarr", cache_rows=10, owner="process") as pipe:
+
+        def claim(lo: int, hi: int) -> None:
+            data = [{"input_ids": torch.arange(lo, hi)} for _ in range(10)]
+            for batch in pipe.loader(data, batch_size=1):
+                rows = batch["inputs_embeds"][0, :, 0]
+                claimed.append(lo)
+                if not torch.equal(rows, batch["input_ids"][0].float()):
+                    wrong.append(lo)
+
+        threads = [threading.Thread(target=claim, args=r) for r in ((0, 20), (20, 40))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert len(claimed) == 20 and wrong == []
