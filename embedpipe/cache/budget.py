@@ -2,9 +2,10 @@
 
 :func:`pipe_memory` adds up the host memory of a pipe from the shapes of the structures it
 allocates (``sharedrows.py``, ``rowcache.py``, ``policy.py``, ``ring.py``);
-:func:`available_memory` reads how much this process may still allocate (its cgroup's limit and the kernel's ``MemAvailable``);
-:func:`warn_if_too_big` compares the two and warns before the kernel's OOM killer acts (measured
-in the benchmark: a 20% cache under a 600 MB memory limit was killed without a word).
+:func:`available_memory` reads how much this process may still allocate (its cgroup's limit
+and the kernel's ``MemAvailable``); :func:`warn_if_too_big` compares the two and warns before
+the kernel's OOM killer acts (measured in the benchmark: a 20% cache under a 600 MB memory limit
+was killed without a word).
 
 The cgroup files are read, never written; on a system without them (macOS, a container without
 a memory controller) only ``MemAvailable`` counts, and without that, nothing is known (None).

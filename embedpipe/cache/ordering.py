@@ -3,8 +3,8 @@
 Workers read the shared cache, the applied-step clock and the ring without locks (seqlocks, see
 ``sharedrows.py`` and ``ring.py``). A seqlock needs two orderings that numpy does not give by
 itself: the writer's stores become visible in order (version odd, then rows, then version even),
-and the reader's loads happen in order (version, rows, version). Between numpy calls that takes a full
-memory barrier, :func:`fence`, at four places:
+and the reader's loads happen in order (version, rows, version). Between numpy calls that takes
+a full memory barrier, :func:`fence`, at four places:
 
     owner:   version += 1 ; fence ; write rows ; fence ; version += 1
     worker:  v1 = version ; fence ; copy rows  ; fence ; v2 = version

@@ -33,6 +33,13 @@ Store = Callable[[np.ndarray, np.ndarray, str], None]  # (ids, rows, array name)
 Copy = tuple[np.ndarray, np.ndarray, int]
 
 
+def find_sorted(had: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where ``ids`` are in ``had`` (sorted, non-empty): ``(hit, at)``, ``had[at[i]] == ids[i]``
+    where ``hit[i]``."""
+    at = np.minimum(np.searchsorted(had, ids), len(had) - 1)
+    return had[at] == ids, at
+
+
 def from_copies(
     copies: Iterable[Copy], ids: np.ndarray, last_updated: np.ndarray, dim: int, dtype: Any
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -45,8 +52,8 @@ def from_copies(
     for had, had_rows, tick in copies:
         if not len(had):
             continue
-        at = np.minimum(np.searchsorted(had, ids), len(had) - 1)
-        hit = ~found & (had[at] == ids) & (last_updated[ids] <= tick)
+        hit, at = find_sorted(had, ids)
+        hit &= ~found & (last_updated[ids] <= tick)
         rows[hit] = had_rows[at[hit]]
         found |= hit
     return found, rows
@@ -78,8 +85,8 @@ class Update:
     state: dict[str, np.ndarray]
 
     def uncached(self) -> Update:
-        """A copy of the rows and state that are not cached (what :meth:`RowCache.scatter` writes
-        to the table, and puts back if that write fails)."""
+        """A copy of the rows and state that are not cached (what
+        :meth:`RowCache.write_uncached` writes to the table, and puts back if that write fails)."""
         rest = self.slots < 0
         return Update(
             self.ids[rest],
@@ -232,11 +239,6 @@ class RowCache:
             held = ids[missing]
             parts = [rows[missing], *(self._fetch(held, name) for name in self.state)]
             self.staged.append((held, np.hstack(parts) if len(parts) > 1 else parts[0], self.clock))
-
-    def scatter(self, update: Update, before: Update) -> int:
-        """Put the updated rows back: :meth:`write_uncached`, then :meth:`put_back`."""
-        self.write_uncached(update, before)
-        return self.put_back(update)
 
     def write_uncached(self, update: Update, before: Update) -> None:
         """Write the updated rows that were not cached at :meth:`gather` to the table, first: if

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..cache.rowcache import find_sorted
+
 
 @dataclass
 class Computed:
@@ -60,11 +62,11 @@ class Computed:
         ``stale`` and these (None stays None: the owner read every row)."""
         if not len(self.ids) or not len(ids):
             return stale
-        sorted_ids = self.ids[self.order]
-        at = np.minimum(np.searchsorted(sorted_ids, ids), len(sorted_ids) - 1)
-        changed = np.flatnonzero(sorted_ids[at] == ids)
+        hit, at = find_sorted(self.ids[self.order], ids)
+        changed = np.flatnonzero(hit)
         rows[changed] = self.rows[self.order[at[changed]]]
         if stale is None:
             return None
-        counts["refreshed"] += len(np.setdiff1d(changed, stale, assume_unique=True))
-        return np.union1d(stale, changed)
+        merged = np.union1d(stale, changed)
+        counts["refreshed"] += len(merged) - len(stale)
+        return merged

@@ -328,7 +328,7 @@ class Owner:
     def takes_computed_rows(self) -> bool:
         """Exact mode over the whole table: a hand-off takes the last step's rows as computed, the
         step writes the table outside the lock (NOTE in ``computed.py``); else under it."""
-        return self.consistency == "exact" and self.owns(np.empty(0, np.int64)) is None
+        return self.consistency == "exact" and self.owned == (0, self.table.num_rows)
 
     def _wait_for_rows(self) -> Computed | None:
         """A hand-off's wait: as :meth:`_wait_for_steps`, but in exact mode over the whole
@@ -401,10 +401,11 @@ class Owner:
             self._computed = Computed(step, ids, work.rows, self.generation)
             self.writeback.computed_now(step)  # a hand-off waiting for this step goes on
             self._step_in_progress = step
-            if self.takes_computed_rows:  # outside the lock: hand-offs go on
-                self.cache.write_uncached(work, before)
+            outside = self.takes_computed_rows  # else a hand-off must not see rows half-written
+            if outside:
+                self.cache.write_uncached(work, before)  # hand-offs go on meanwhile
             with self.lock:
-                if not self.takes_computed_rows:  # a hand-off must not see the rows half-written
+                if not outside:
                     self.cache.write_uncached(work, before)
                 tick = self.cache.put_back(work)
                 self.shared.publish(tick)  # last: a lookup that saw the tick sees the rows

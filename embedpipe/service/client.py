@@ -125,7 +125,6 @@ class RemoteOwner:
         self.owner_pid: int | None = None  # said by the owner when it has opened the table
         self.submitted = 0  # steps sent (every request says how many: ``job.py``)
         self.transfer: Transfer | None = None  # reply rows and gradients (``transfer.py``)
-        self._torch_dtype = getattr(torch, table.dtype.name)
         opening = {
             "op": "open",
             "path": table.path,
@@ -217,7 +216,7 @@ class RemoteOwner:
         if item.deferred is not None:
             arrays += (item.deferred,)
         stream = self.stream
-        transfer = self._transfer()
+        transfer = self._transfer()  # before the claim: its reply may put rows there
         (step, tick, generation, blind, every, _), got, _ = self._request(
             {
                 "op": "claim",
@@ -236,8 +235,7 @@ class RemoteOwner:
         )
         if blind and stream is not None:
             stream.blind = True  # the loader says why, and stops looking ahead
-        if transfer is not None:
-            transfer.replied(step, generation)
+        transfer.replied(step, generation)
         fresh = got[-1]  # sent, or copied out of the transfer block by _request
         if every:  # every row, read by the owner
             rows = fresh
@@ -245,7 +243,7 @@ class RemoteOwner:
             rows[got[0]] = fresh
         return EmbeddedBatch._handed_off(item, rows, self, pin, step, tick, generation)
 
-    def _transfer(self) -> Transfer | None:
+    def _transfer(self) -> Transfer:
         """The block for reply rows and gradients, sent at the first claim or step (``transfer.py``)."""
         if self.transfer is None:
             transfer = Transfer.make(self.table.dim, self.table.dtype)
@@ -292,7 +290,8 @@ class RemoteOwner:
         """Send one step's gradient to the owner process (no reply: see the module docstring)."""
         step = self.submitted + 1
         slot = self._transfer().put_gradient(step, self.generation, grad)
-        sent = () if slot >= 0 else (grad.detach().to("cpu", self._torch_dtype).numpy(),)
+        dtype = getattr(torch, self.table.dtype.name)
+        sent = () if slot >= 0 else (grad.detach().to("cpu", dtype).numpy(),)
         self.submitted = step  # first: a Ctrl-C held back until the step is sent is raised after
         self._request({"op": "submit", "lr": lr, "slot": slot}, (ids.numpy(), *sent), reply=False)
 

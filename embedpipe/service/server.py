@@ -262,11 +262,11 @@ class Server:
                 if deferred is not None and len(deferred):
                     stale = np.union1d(stale, deferred)
                 final = final[stale]
+            # NOTE [ Rows and gradients through shared memory ]: the rows there if they fit
             shared = self.transfer.put_reply(final) if self.transfer is not None else -1
-            sent = (
-                () if shared >= 0 else (final,)
-            )  # NOTE [ Rows and gradients through shared memory ]
-            sent = sent if every else (stale, *sent)
+            sent = () if shared >= 0 else (final,)
+            if not every:
+                sent = (stale, *sent)
             self.reply(step, tick, owner.generation, blind, every, shared, arrays=sent)
             answered = True
 
@@ -327,7 +327,7 @@ class Server:
 
     def do_submit(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         ids = arrays[0]
-        slot = m.get("slot", -1)  # in the transfer block, or sent
+        slot = m["slot"]  # in the transfer block, or -1: sent
         grad = self.transfer.gradient(slot, len(ids)) if slot >= 0 else torch.from_numpy(arrays[1])
         self.owner.submit(torch.from_numpy(ids), grad, m["lr"])
 

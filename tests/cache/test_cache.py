@@ -57,7 +57,8 @@ def test_dirty_rows_are_written_back_before_their_slot_is_reused():
     cache.admit(np.array([1, 2]), table["weight"][[1, 2]])
     work = cache.gather(np.array([1]))
     work.rows += 100
-    cache.scatter(work, work.uncached())
+    cache.write_uncached(work, work.uncached())
+    cache.put_back(work)
     assert not writes and table["weight"][1, 0] == 8  # still only in the cache
     cache.admit(np.array([4]), table["weight"][[4]])  # evicts the LRU row: 1, dirty
     assert writes == [("weight", np.array([1]))]
@@ -73,7 +74,8 @@ def test_rows_being_updated_are_pinned_and_late_admissions_get_the_update():
     cache.admit(np.array([5, 30]), table["weight"][[5, 30]])  # nothing to evict: 1 and 2 pinned
     assert cache.shared.slot_of[[5, 30]].tolist() == [-1, -1]
     work.rows += 1
-    cache.scatter(work, work.uncached())
+    cache.write_uncached(work, work.uncached())
+    cache.put_back(work)
     assert table["weight"][30, 0] == 30 * D + 1  # the uncached row went to the table
     cache.admit(np.array([30]), table["weight"][[30]])
     work = cache.gather(np.array([30]))
