@@ -56,6 +56,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import embedpipe
+from embedpipe.pipe.placeholder import ignore_in_ddp
 from tests.helpers import REFERENCE_OPTIMIZERS, tiny_model, zipf_dataset
 
 BATCH = 4  # per rank
@@ -102,16 +103,44 @@ def train_reference(optimizer: str, clip: float) -> tuple[torch.Tensor, dict]:
 
 
 def offloaded_model(path: str) -> torch.nn.Module:
+    """The tiny BERT, its embeddings offloaded to ``path``; ``PIPE_OWNER=served``: into the
+    table the test made (and serves), which the model's placeholder names."""
     model = tiny_model()
+    if served():  # as offload leaves the model, the table written by the test
+        embeddings = model.get_input_embeddings()
+        placeholder = embedpipe.hf.OffloadedEmbedding(
+            *embeddings.weight.shape, os.path.abspath(path), padding_idx=embeddings.padding_idx
+        )
+        placeholder.attach(torch.nn.Parameter(torch.empty(0, embeddings.weight.shape[1])))
+        model.set_input_embeddings(placeholder)
+        ignore_in_ddp(model, placeholder)
+        return model
     embedpipe.hf.offload(model, path, chunk_rows=64).close()  # rank 0 writes, the others wait
     return model
 
 
+def served() -> bool:
+    return os.environ.get("PIPE_OWNER") == "served"
+
+
+def service_address(path: str, machine: int | str | None = None) -> str:
+    """Where the test serves the table at ``path`` to the ranks of ``machine`` (torchrun's
+    ``GROUP_RANK``, a machine's own service: ``PIPE_OWNER=served``)."""
+    machine = os.environ.get("GROUP_RANK", "0") if machine is None else machine
+    return f"unix:{os.path.abspath(path)}.{machine}.sock"
+
+
 def make_pipe(path: str, optimizer: str, **options) -> embedpipe.EmbeddingPipe:
-    """The pipe of every run; ``PIPE_OWNER=process``: one owner process for the ranks."""
+    """The pipe of every run; ``PIPE_OWNER=process``: one owner process for the ranks;
+    ``served``: the service the test runs for the table (``embedpipe serve``)."""
     options.setdefault("owner", os.environ.get("PIPE_OWNER", "thread"))
+    if options["owner"] == "served":
+        options["owner"] = service_address(path)
     return embedpipe.EmbeddingPipe(
-        path, cache_rows=300, optimizer=PIPE_OPTIMIZERS[optimizer](lr=LR[optimizer]), **options
+        path,
+        cache_rows=int(os.environ.get("PIPE_CACHE_ROWS", "300")),
+        optimizer=PIPE_OPTIMIZERS[optimizer](lr=LR[optimizer]),
+        **options,
     )
 
 

@@ -26,9 +26,9 @@ from ..owner.owner import Owner
 from ..ranks.shard_owner import ShardOwner, open_shard
 from ..ranks.shards import DEFAULT_TIMEOUT, Shards
 from ..ranks.shards import process_group as group_of
+from ..service.address import is_address
 from ..service.client import RemoteOwner
 from ..service.rank import RankOwner, open_shared
-from ..service.serve import is_address
 from ..store.checkpoints import Checkpoint
 from ..store.table import Table
 from .placeholder import ignore_in_ddp, offloaded_embeddings
@@ -115,26 +115,27 @@ class EmbeddingPipe:
             raise ValueError(
                 f"owner must be one of {OWNERS} or a service's address 'unix:PATH', got {owner!r}"
             )
-        served = is_address(owner)
+        if is_address(owner) and optimizer is None:
+            owner = "process"  # frozen: it reads the last checkpoint, which needs no service
+        served = is_address(owner)  # (nor waits while the service trains a job)
         shards = None
         if optimizer is not None:
             group = group_of(process_group)
             if group is None:
                 _check_one_process()
             else:
-                if served or (owner == "process" and consistency != "exact"):
+                if owner != "thread" and consistency != "exact":
                     raise DistributedNotSupportedError(
-                        f"owner={owner!r} does not serve the ranks of a process group "
-                        f"{'yet' if served else 'in bounded mode yet'}: use owner='process' "
-                        "(one owner process for the machine's ranks, exact mode) or "
-                        "owner='thread' (each rank owns a shard of the table)"
+                        f"owner={owner!r} does not serve the ranks of a process group in "
+                        "bounded mode yet: use consistency='exact' (one owner for the "
+                        "machine's ranks) or owner='thread' (each rank owns a shard of the table)"
                     )
                 shards = Shards(group, timeout)
                 lookahead = 0  # a rank's loader reads ahead only its own rows: not yet
-        shared = shards is not None and owner == "process"  # one owner process a machine
+        shared = shards is not None and owner != "thread"  # one owner process a machine
         if shared:
             shards.by_machine()
-            table, owns_table = open_shared(table, shards)
+            table, owns_table = open_shared(table, shards, served)
             shards.plan(table.num_rows, table.chunk_rows)  # a shard a machine
         elif shards is not None:
             # what must be the same on every rank, or the ranks would train different tables

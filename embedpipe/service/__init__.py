@@ -7,13 +7,15 @@
   place of an in-process owner (``EmbeddingPipe(..., owner="process")``);
 - ``serve.py``: :class:`Service`, an owner that outlives the jobs it serves
   (``embedpipe serve TABLE``, ``EmbeddingPipe(..., owner="unix:PATH")``);
+- ``address.py``: a service's address (``unix:PATH``), its default, listening there;
 - ``reach.py``: starting an owner process, or connecting to a service;
-- ``job.py`` and ``rank.py``: one owner process shared by the ranks of a ``torchrun`` job on
-  one machine, its side and each rank's.
+- ``job.py`` and ``rank.py``: one owner process (or service) shared by the ranks of a
+  ``torchrun`` job on one machine, its side and each rank's.
 """
 
+from .address import default_address
 from .channel import Channel, ChannelClosed
 from .client import RemoteOwner
-from .serve import Service, default_address
+from .serve import Service
 
 __all__ = ["Channel", "ChannelClosed", "RemoteOwner", "Service", "default_address"]

@@ -445,7 +445,7 @@ class RemoteOwner:
         broken = self.channel.broken
         who = self._describe_owner()
         if self.process is None:  # not ours: all we know is that its connection ended
-            how = "stopped, or its connection ended"
+            how = "stopped, or it ended the connection: it drops a job one of whose ranks is gone"
         else:
             deadline = time.monotonic() + (0.0 if broken else 5.0)
             while self.process.poll() is None and time.monotonic() < deadline:

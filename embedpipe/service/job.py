@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..store.table import Table
-from .channel import Channel, peer_of
+from .channel import Channel, ChannelClosed, peer_of
 from .server import Server, become_owner
 
 
@@ -52,6 +52,16 @@ class Job:
         self.closed: tuple[str, Any] | None = None  # ("ok", stats) or ("error", exception)
         self.done: dict[tuple[Any, ...], tuple[int, bool, Any]] = {}  # recent collective
         # requests' outcomes: (how many times asked, ok, the result or the error)
+        #: A rank is gone (a service's job, which outlives it: ``serve.py``): every other
+        #: rank's wait ends, with ``ChannelClosed``
+        self.failed = False
+
+    def wait_for(self, ready: Callable[[], bool]) -> None:
+        """``lock.wait_for(ready)`` (with ``lock`` held), or ``ChannelClosed`` once the job
+        failed."""
+        self.lock.wait_for(lambda: self.failed or ready())
+        if self.failed:
+            raise ChannelClosed("another rank of the job is gone")
 
     def submitted(self) -> int:
         writeback = self.owner.writeback if self.owner is not None else None
@@ -74,7 +84,7 @@ class Job:
                 while len(self.done) > 64:  # a rank is at most a step or two behind rank 0
                     del self.done[next(iter(self.done))]
             else:
-                self.lock.wait_for(lambda: self.done.get(key, (0,))[0] >= nth)
+                self.wait_for(lambda: self.done.get(key, (0,))[0] >= nth)
         _, ok, value = self.done[key]
         if not ok:
             raise value
@@ -113,11 +123,9 @@ class RankServer(Server):
             if op == "load":  # rank 0's steps up to ours; or another rank loaded (and restarted
                 key = ("load", message["folder"], after)  # the count) at the same step
                 nth = self.asked.get(key, 0) + 1
-                job.lock.wait_for(
-                    lambda: job.submitted() >= after or job.done.get(key, (0,))[0] >= nth
-                )
+                job.wait_for(lambda: job.submitted() >= after or job.done.get(key, (0,))[0] >= nth)
             elif op not in ("open", "join", "submit"):  # wait for rank 0's steps up to ours
-                job.lock.wait_for(lambda: job.submitted() >= after)
+                job.wait_for(lambda: job.submitted() >= after)
             warnings.showwarning = self._keep_warning  # the owner's warnings go to this rank
             super().handle(op, message, arrays, fds)
             job.lock.notify_all()
@@ -170,7 +178,7 @@ class RankServer(Server):
             except BaseException as e:
                 job.closed = ("error", e)
             job.lock.notify_all()
-        job.lock.wait_for(lambda: job.closed is not None)
+        job.wait_for(lambda: job.closed is not None)
         self.done = True
         kind, value = job.closed
         later, self.later = self.later, None  # rank 0's error of a step: said after the commit

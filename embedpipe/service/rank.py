@@ -42,6 +42,7 @@ machines' ranks ``PeerLostError`` when those ranks' connections close.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import tempfile
@@ -60,7 +61,7 @@ from ..worker.batch import EmbeddedBatch
 from .channel import Channel
 from .client import RemoteOwner
 from .job import pipe_facts
-from .reach import start_owner
+from .reach import connect, start_owner
 
 
 class RankOwner(RemoteOwner):
@@ -101,7 +102,7 @@ class RankOwner(RemoteOwner):
         first = shards.first_of_machine
         error: BaseException | None = None
         reply, address = None, None
-        folder = tempfile.mkdtemp(prefix="embedpipe-") if first else None
+        folder = tempfile.mkdtemp(prefix="embedpipe-") if first and self.address is None else None
         try:
             for rank_0 in (True, False):
                 if first and shards.leader == rank_0:
@@ -113,8 +114,13 @@ class RankOwner(RemoteOwner):
             addresses = shards.every(address, "finding the owner processes")
             if not first:
                 try:
-                    self._connected(Channel.connect(addresses[shards.machines[shards.shard][0]]))
-                    reply = self._request({**opening, "op": "join", "rank": shards.rank})
+                    found = addresses[shards.machines[shards.shard][0]]
+                    if self.address is None:  # the owner process the machine's first rank started
+                        self._connected(Channel.connect(found))
+                    else:  # the service, and the job there by its name
+                        self._connected(connect(self.address, self.table.path))
+                    join = {"op": "join", "rank": shards.rank, "job": found}
+                    reply = self._request({**opening, **join})
                 except BaseException as e:
                     error = e
             shards.agree(error, "joining the owner processes")
@@ -128,10 +134,16 @@ class RankOwner(RemoteOwner):
                 shutil.rmtree(folder, ignore_errors=True)  # every rank joined, or none will
         return reply
 
-    def _start(self, opening: dict[str, Any], folder: str) -> tuple[Any, str]:
+    def _start(self, opening: dict[str, Any], folder: str | None) -> tuple[Any, str]:
         """This machine's owner process, listening in ``folder`` for the machine's other ranks;
-        the table opened there. Returns the reply and the address."""
+        the table opened there. Returns the reply and the address. With a service
+        (``embedpipe serve``): the job opened there for its ranks on this machine, and the job's
+        name, by which they join it."""
         ranks = len(self.shards.machines[self.shards.shard])
+        if self.address is not None:
+            token = secrets.token_hex(8)
+            self._connected(connect(self.address, self.table.path))
+            return self._request({**opening, "ranks": ranks, "job": token}), token
         address = os.path.join(folder, "owner.sock")
         listener = _listen(address, ranks)
         try:
@@ -145,6 +157,11 @@ class RankOwner(RemoteOwner):
         shards = self.shards
         ranks = shards.machines[shards.shard]
         rows = f", rows {shards.owned[0]:,} to {shards.owned[1]:,}," if self.several else ""
+        if self.address is not None:
+            return (
+                f"the table service at {self.address} (table {self.table.path}{rows} pid "
+                f"{self.owner_pid}) that the {len(ranks)} ranks of this machine share"
+            )
         return (
             f"the owner process of table {self.table.path}{rows} that the {len(ranks)} ranks of "
             f"this machine share (pid {self.owner_pid}, started by rank {ranks[0]})"
@@ -334,17 +351,22 @@ class RankOwner(RemoteOwner):
         self.shards.close()
 
 
-def open_shared(table: Table | str | os.PathLike[str], shards: Shards) -> tuple[Table, bool]:
+def open_shared(
+    table: Table | str | os.PathLike[str], shards: Shards, served: bool = False
+) -> tuple[Table, bool]:
     """This rank's handle on the table its ranks' owner process trains: rank 0 opens it to
     write (its lock goes to the owner process) and commits what it changed (an offload's
-    metadata), then the others open it to read, at that checkpoint; an error on any rank is
-    raised on every rank. Returns the handle and whether the pipe closes it."""
+    metadata), then the others open it to read, at that checkpoint; ``served`` (a service
+    holds the lock): every rank opens it to read. An error on any rank is raised on every rank.
+    Returns the handle and whether the pipe closes it."""
     owns_table = not isinstance(table, Table)
     opened: Table | None = None if owns_table else table
     error: BaseException | None = None
     try:
         try:
-            if shards.leader:
+            if served and opened is None:
+                opened = Table.open(table, "r")
+            elif shards.leader and not served:
                 opened = writer_on_rank_0(table)
                 if opened._modified:  # the other ranks read the checkpoint: make it this
                     opened._commit(opened.step)
@@ -352,7 +374,7 @@ def open_shared(table: Table | str | os.PathLike[str], shards: Shards) -> tuple[
             error = e
         shards.agree(error, "opening the table")
         try:
-            if not shards.leader:
+            if not shards.leader and not served:
                 if opened is None:
                     opened = Table.open(table, "r")
                 else:

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 from ..errors import ServiceNotFoundError
+from .address import socket_path
 from .channel import Channel, peer_of
-from .serve import socket_path
 
 #: The owner process's program: ``module``'s ``main`` (not ``-m``, which would run the module a
 #: second time beside the one the package imports, and warn so on every start).

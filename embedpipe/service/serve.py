@@ -22,100 +22,177 @@ What the service adds is what happens between jobs:
 Each job gets a fresh owner: its cache, policy and optimizer as the job asks for them. The
 service ends on SIGINT or SIGTERM: a job it serves then sees its owner gone
 (:class:`~embedpipe.errors.OwnerDiedError`), and the table stays at its last checkpoint.
+
+A job of several ranks on this machine (``torchrun``) is served as ``job.py``'s owner process
+serves one: rank 0's first request names the job and its number of ranks (:class:`ServiceJob`),
+the others join it by that name as they connect, each served by a thread of its own. A rank
+that is gone fails the job: every other rank's connection is ended, and the job is dropped.
+
+NOTE [ Shard services ]
+``embedpipe serve TABLE --shard i/S`` serves the rows of shard i of S (split at chunk
+boundaries as ``ranks/shards.py`` splits them for S machines) to the ranks of machine i of a
+job over S machines, as the owner process a job starts on each machine does (``rank.py``,
+NOTE [ A shard a machine ]): the first shard's service holds the writer lock and commits every
+shard's files; the others hold none (the first one's holds it for the job, whose rank 0 opens
+it there before any other machine's rank opens its own) and give each job a handle of its own.
+
+Each service writes only its shard's chunk files, so each takes only those back to the last
+checkpoint after a job it drops (``checkpoints.shard_files``), the first one the metadata too.
+The first one does it at once. A later shard's does it when the next job opens its table:
+when a machine's rank dies, its service drops the job while the first shard's service may still
+be committing a checkpoint for the job's other ranks, whose hard links would take some of the
+files as they were and some as taken back; by the next job's open, the first shard's service
+has served that job's rank 0, so the dropped job is over there. The same open takes back what
+a job left when its service died, or when its last commit failed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 import os
 import queue
 import signal
 import socket
 import stat
 import sys
-import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import TableLockedError
+from ..ranks.shards import split
 from ..store import checkpoints
+from ..store.checkpoints import shard_files
 from ..store.table import Table
+from .address import default_address, listen, socket_path
 from .channel import Channel, ChannelClosed, peer_of
+from .job import Job, RankServer
 from .server import Server
 
-#: The scheme of a service's address: ``unix:`` and the path of its socket.
-SCHEME = "unix:"
 _show_warning = warnings.showwarning
 #: How long a refused connection gets to send its first request.
 REFUSE_SECONDS = 10.0
-
-
-def is_address(owner: object) -> bool:
-    return isinstance(owner, str) and owner.startswith(SCHEME)
-
-
-def socket_path(address: str) -> str:
-    """The socket file of ``address`` (``unix:PATH``), checked to fit a Unix socket's name."""
-    if not is_address(address) or len(address) == len(SCHEME):
-        raise ValueError(f"a service's address is unix:PATH (a socket file), got {address!r}")
-    path = os.path.abspath(os.path.expanduser(address[len(SCHEME) :]))
-    if len(path.encode()) > 107:
-        raise ValueError(
-            f"the socket path {path} is {len(path.encode())} bytes: a Unix socket's is at most "
-            "107; choose a shorter --address"
-        )
-    return path
-
-
-def default_address(table_path: str) -> str:
-    """The address ``embedpipe serve`` listens on without ``--address``: a socket of this user's
-    in the temporary folder, named after the table's folder."""
-    folder = os.path.join(tempfile.gettempdir(), f"embedpipe-{os.getuid()}")
-    name = hashlib.sha1(os.path.realpath(table_path).encode()).hexdigest()[:16]
-    return f"{SCHEME}{os.path.join(folder, name)}.sock"
+#: How long a dropped job's ranks get to let go of its owner (a longer hold: a write hangs).
+DROP_SECONDS = 30.0
 
 
 class ServiceServer(Server):
     """One job's connection to a :class:`Service`: the service's table, its lock held."""
 
-    def __init__(self, channel: Channel, table: Table, address: str) -> None:
+    def __init__(self, channel: Channel, service: Service | None = None) -> None:
         super().__init__(channel)
-        self.table = table
-        self.address = address
-        self.peer = 0  # the job's pid
+        self.service = service
+        self.peer = 0  # the job's pid (its rank 0's)
+
+    @property
+    def address(self) -> str:
+        return self.service.address
 
     def open_table(self, m: dict[str, Any]) -> tuple[Table, bool]:
-        if os.path.realpath(m["path"]) != self.table.path:
+        service = self.service
+        if os.path.realpath(m["path"]) != service.table.path:
             raise ValueError(
-                f"the service at {self.address} serves table {self.table.path}, not "
+                f"the service at {self.address} serves table {service.table.path}, not "
                 f"{m['path']}: connect to that table's service, or start one for it "
                 "(embedpipe serve TABLE)"
             )
-        if m["optimizer"] is None:  # frozen: the checkpoint the job's handle reads
+        if m["optimizer"] is None:  # frozen (the pipe runs its own owner: ``pipe/handle.py``)
             return Table._reader(m["path"], m["root"]), True
-        return self.table, False
+        service.check_shard(m.get("shard"))
+        table = service.table
+        if not service.locks:  # a later shard's: the rows of a job whose first shard's holds it
+            table = Table._reader(m["path"], m["path"], "r+")
+        if service.files is not None:  # NOTE [ Shard services ]: its files at the checkpoint
+            table._roll_back(service.files)
+        return table, not service.locks
+
+    def take_back(self, table: Table) -> None:
+        """A dropped job: the first shard's service (or the whole table's) takes its files
+        back now; a later shard's service when the next job opens them (NOTE [ Shard
+        services ])."""
+        if self.service.locks:
+            table._roll_back(self.service.files)
 
     def do_open(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         super().do_open(m, arrays, fds)
         self.owner.releases_when_hung = False  # a write that hangs ends the service: its lock
 
+    def do_join(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        raise TableLockedError(
+            f"rank {m['rank']} asked to join a job at the service at {self.address}, which "
+            "serves none of its job's ranks: rank 0 opens the table first"
+        )
+
+
+class ServiceJob(Job):
+    """The ranks of one ``torchrun`` job (on this machine) that a service serves, as the
+    owner process ``job.py`` runs for its job: one owner their ranks share. Rank 0's request
+    names the job (``token``); the other ranks join it by that name. A rank that is gone
+    fails the job (:meth:`Service._fail`): the others' connections are ended, and the job is
+    dropped as a job of one process that died."""
+
+    def __init__(self, ranks: int, token: str) -> None:
+        super().__init__(ranks)
+        self.token = token
+        self.servers: list[ServiceRankServer] = []  # rank 0's first, then as they join
+        self.threads: list[threading.Thread] = []  # the joined ranks'
+
+    def joining(self) -> bool:
+        return not self.failed and len(self.servers) < self.ranks
+
+
+class ServiceRankServer(RankServer, ServiceServer):
+    """One rank's connection of a :class:`ServiceJob`."""
+
+    def __init__(self, channel: Channel, job: ServiceJob, rank: int, service: Service) -> None:
+        super().__init__(channel, job, rank)
+        self.service = service
+
 
 class Service:
-    """The owner of the table at ``path``, served at ``address`` until :meth:`stop`."""
+    """The owner of the table at ``path``, served at ``address`` until :meth:`stop`;
+    ``shard=(i, S)``: of its shard i of S, for the ranks of a job's machine i (NOTE [ Shard
+    services ])."""
 
-    def __init__(self, path: str | os.PathLike[str], address: str | None = None) -> None:
-        self.table = Table.open(path, "r+")  # the lock, held while the service runs
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        address: str | None = None,
+        shard: tuple[int, int] | None = None,
+    ) -> None:
+        if shard is not None and shard[1] == 1:
+            shard = None  # (0/1: the whole table)
+        #: Whether this service holds the writer lock: the whole table's, or the first shard's
+        self.locks = shard is None or shard[0] == 0
+        #: The rows of its shard, ``[lo, hi)`` (None: the whole table), and its files
+        self.rows: tuple[int, int] | None = None
+        self.files: Callable[[str], bool] | None = None
+        self.shard = shard
+        if shard is not None and not 0 <= shard[0] < shard[1]:
+            raise ValueError(f"--shard is i/S with 0 <= i < S, got {shard[0]}/{shard[1]}")
+        if self.locks:
+            self.table = Table.open(path, "r+")  # the lock, held while the service runs
+        else:  # its path and shape (each job's own handle writes): the live arrays, unpinned
+            opened = Table.open(path)
+            self.table = Table._reader(opened.path, opened.path)
+            opened.close()
         try:
-            self.address = address or default_address(self.table.path)
+            if shard is not None:
+                i, count = shard
+                bounds = split(self.table.num_rows, self.table.chunk_rows, count)
+                self.rows = int(bounds[i]), int(bounds[i + 1])
+                chunks = self.table.chunk_rows
+                self.files = shard_files((self.rows[0] // chunks, -(-self.rows[1] // chunks)),
+                                         others=self.locks)  # fmt: skip
+            self.address = address or default_address(self.table.path, shard)
             self.socket_path = socket_path(self.address)
-            self.listener = _listen(self.socket_path, self.address)
+            self.listener = listen(self.socket_path, self.address)
         except BaseException:
             self.table.close()
             raise
-        self.serving: ServiceServer | None = None
+        self.serving: ServiceServer | None = None  # a job's rank 0, or its one process
         self.waiting = 0  # jobs accepted and not yet served (at most one)
         self.state = threading.Lock()  # guards serving and waiting
         self.pending: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
@@ -137,45 +214,91 @@ class Service:
                 if not self._serve_job(sock):
                     _hung(self.table.path)
         except BaseException:
-            if self.table._lock is None or any(t.name == "embedpipe-writeback" and t.is_alive()
-                                               for t in threading.enumerate()):  # fmt: skip
+            if (self.locks and self.table._lock is None) or any(
+                t.name == "embedpipe-writeback" and t.is_alive() for t in threading.enumerate()
+            ):
                 _hung(self.table.path)
             raise
         finally:
             self.stop()
             if self.table._modified:  # a job's unfinished change: never commit it
-                self.table._roll_back()
+                self.table._roll_back(self.files)
             self.table._release_claim()
             self.table.close()
 
+    def describe(self) -> str:
+        if self.shard is None:
+            return self.table.path
+        (lo, hi), (i, count) = self.rows, self.shard
+        return f"{self.table.path} rows {lo:,} to {hi:,} (shard {i}/{count})"
+
+    def check_shard(self, theirs: Any) -> None:
+        """A job's machine owns ``theirs`` (rows ``[lo, hi)``; None: a job of one machine, the
+        whole table): the rows this service serves, or a ``ValueError`` naming both."""
+        theirs = None if theirs is None else (int(theirs[0]), int(theirs[1]))
+        if theirs == self.rows:
+            return
+        wanted = "the whole table" if theirs is None else f"rows {theirs[0]:,} to {theirs[1]:,}"
+        remedy = (
+            "a job of one machine needs a service of the whole table (embedpipe serve TABLE)"
+            if theirs is None
+            else "each machine's ranks need the service of their machine's shard: embedpipe "
+            "serve TABLE --shard i/S on machine i of S (rank 0's machine first)"
+        )
+        raise ValueError(
+            f"the service at {self.address} serves {self.describe()}, and this job's machine "
+            f"trains {wanted}: {remedy}"
+        )
+
     def _serve_job(self, sock: socket.socket) -> bool:
         """Serve one job until it closes its pipe or is gone (its steps since its last
-        checkpoint are then dropped); False: a table write hangs."""
-        server = ServiceServer(Channel(sock), self.table, self.address)
+        checkpoint are then dropped); False: a table write hangs. A job of several ranks
+        (its first request says how many) is served as ``job.py`` serves one, the other
+        ranks joining as they connect (``_accept``)."""
+        server = ServiceServer(Channel(sock), self)
         server.peer = peer_of(sock)[0]
         with self.state:
             self.waiting -= 1
             self.serving = server
+        job: ServiceJob | None = None
         try:
-            server.run()
+            first = server.channel.receive()
+            job = _job_of(first[0])
+            if job is not None:
+                rank_0 = ServiceRankServer(server.channel, job, 0, self)
+                rank_0.peer = server.peer
+                job.servers.append(rank_0)
+                with self.state:
+                    self.serving = server = rank_0
+            server.run(first)
         except BaseException as e:  # the job is gone, or the service was told to stop
+            if job is not None:
+                self._fail(job)
             server.channel.close()
-            if not server.abandon():
+            if not _drop(server, job):
                 return False
             if not isinstance(e, ChannelClosed):
                 raise
         finally:
+            if job is not None:  # the other ranks' threads: ended by the close, or the failure
+                for thread in job.threads:
+                    thread.join(DROP_SECONDS)
+                    if thread.is_alive():  # held in a write that hangs
+                        _hung(self.table.path)
             with self.state:
                 self.serving = None
             server.channel.close()
             warnings.showwarning = _show_warning  # let go of the job's server
             server.rings.clear()
+        if server.owner is not None and not server.owner.closed and not _drop(server, job):
+            return False  # (a job's ranks closed, and the last one's commit failed)
         owner, server.owner = server.owner, None
         if owner is not None and owner.writeback is not None and owner.writeback.alive:
             return False  # its close found a write hanging
         del owner, server
         gc.collect()  # the job's cache and rings (an owner's threads hold cycles)
-        checkpoints.finish_deleting(self.table.path)
+        if self.locks:
+            checkpoints.finish_deleting(self.table.path)
         return True
 
     def stop(self) -> None:
@@ -200,20 +323,72 @@ class Service:
                 continue
             with self.state:
                 serving = self.serving
-                free = serving is None or serving.done or not _alive(serving.peer)
+                job = getattr(serving, "job", None)
+                if job is not None and not serving.done and job.joining():
+                    job.threads.append(
+                        threading.Thread(target=self._join, args=(job, sock), daemon=True)
+                    )
+                    job.threads[-1].start()
+                    continue
+                free = (
+                    serving is None
+                    or serving.done
+                    or not _alive(serving.peer)
+                    or (job is not None and job.failed)  # being dropped: the next job waits
+                )
                 if free and self.waiting == 0:
                     self.waiting += 1
                     self.pending.put(sock)
                     continue
             threading.Thread(target=self._refuse, args=(sock,), daemon=True).start()
 
-    def _refuse(self, sock: socket.socket) -> None:
+    def _join(self, job: ServiceJob, sock: socket.socket) -> None:
+        """Serve a rank of ``job`` that connected: its first request must join that job (by
+        its name), else it is refused as a second job; a rank that is gone fails the job."""
+        server = ServiceRankServer(Channel(sock), job, -1, self)
+        try:
+            sock.settimeout(REFUSE_SECONDS)
+            first = server.channel.receive()
+            sock.settimeout(None)
+        except (OSError, ChannelClosed):
+            server.channel.close()
+            return
+        with job.lock:
+            joins = first[0].get("op") == "join" and first[0].get("job") == job.token
+            if joins and job.joining():
+                job.servers.append(server)
+        if server not in job.servers:
+            self._refuse(sock, first)
+            return
+        try:
+            server.run(first)
+        except BaseException:
+            self._fail(job)
+        finally:
+            server.rings.clear()
+
+    @staticmethod
+    def _fail(job: ServiceJob) -> None:
+        """A rank of ``job`` is gone (or the service stops): every other rank's connection
+        ends and its wait with it, so the job is dropped (``_serve_job``) and its ranks raise.
+        The connections end first: a rank's thread may hold the job's lock in a send to a rank
+        that reads no more."""
+        job.failed = True  # (before the notice below: no wait starts after it)
+        for server in list(job.servers):
+            with contextlib.suppress(OSError):
+                server.channel.sock.shutdown(socket.SHUT_RDWR)
+        if job.lock.acquire(timeout=DROP_SECONDS):  # else held in a write that hangs: _drop
+            job.lock.notify_all()
+            job.lock.release()
+
+    def _refuse(self, sock: socket.socket, first: Any = None) -> None:
         serving = self.serving
         who = f"another job (pid {serving.peer})" if serving is not None else "another job"
         channel = Channel(sock)
         try:
             sock.settimeout(REFUSE_SECONDS)
-            channel.receive()
+            if first is None:
+                channel.receive()
             channel.send(
                 {
                     "error": TableLockedError(
@@ -230,46 +405,40 @@ class Service:
             channel.close()
 
 
+def _job_of(first: Any) -> ServiceJob | None:
+    """The job of several ranks a connection's first request opens (None: one process's)."""
+    if not isinstance(first, dict):  # not a request of embedpipe's: as a job gone
+        raise ChannelClosed(f"a first request that is not embedpipe's: {type(first).__name__}")
+    ranks, token = first.get("ranks", 1), first.get("job")
+    if (
+        first.get("op") == "open"
+        and isinstance(ranks, int)
+        and ranks > 1
+        and isinstance(token, str)
+    ):
+        return ServiceJob(ranks, token)
+    return None
+
+
+def _drop(server: ServiceServer, job: ServiceJob | None) -> bool:
+    """Drop a job gone without closing (``Server.abandon``), its ranks' threads out of the
+    owner first; False: a table write hangs (the service must end)."""
+    if job is None:
+        return server.abandon()
+    if not job.lock.acquire(timeout=DROP_SECONDS):  # a rank's thread holds it in a hung write
+        return False
+    try:
+        return server.abandon()
+    finally:
+        job.lock.release()
+
+
 def _hung(path: str) -> None:
     sys.stderr.write(
         f"embedpipe serve: a write to {path} hangs; the service ends (the table reopens at its "
         "last checkpoint)\n"
     )
     os._exit(1)  # with the writing thread: never release the lock under it
-
-
-def _listen(path: str, address: str) -> socket.socket:
-    """A listening socket at ``path``, reachable by this user only, in a folder no other user
-    can replace it in; a socket file left by a service that died is replaced, a live
-    service's is not, and nothing that is not a socket is touched."""
-    folder = os.path.dirname(path)
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    st = os.lstat(folder)
-    if not stat.S_ISDIR(st.st_mode) or (st.st_uid != os.getuid() and not st.st_mode & stat.S_ISVTX):
-        raise OSError(
-            f"the folder of {address} is not a folder of this user's (owner uid {st.st_uid}): "
-            "another user could replace the socket there; choose another --address"
-        )
-    if os.path.lexists(path):
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise OSError(f"{path} exists and is not a socket; choose another --address")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except ConnectionRefusedError:
-            os.unlink(path)  # nobody listens: a dead service's socket
-        else:
-            raise OSError(f"{address} is in use by a running service; choose another --address")
-        finally:
-            probe.close()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)
-    try:
-        listener.bind(path)
-    finally:
-        os.umask(old)
-    listener.listen(8)
-    return listener
 
 
 def _alive(pid: int) -> bool:
@@ -285,9 +454,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def main(path: str, address: str | None = None, *, say=print) -> int:
+def shard_of(text: str | None) -> tuple[int, int] | None:
+    """``--shard i/S``: shard i of S, 0 <= i < S."""
+    if text is None:
+        return None
+    i, _, count = text.partition("/")
+    if not (i.isdigit() and count.isdigit() and int(i) < int(count)):
+        raise ValueError(
+            f"--shard is i/S, shard i of S with 0 <= i < S (0/2 and 1/2 for two machines), "
+            f"got {text!r}"
+        )
+    return int(i), int(count)
+
+
+def main(
+    path: str, address: str | None = None, shard: tuple[int, int] | None = None, *, say=print
+) -> int:
     """Run a service until SIGINT or SIGTERM (``embedpipe serve``)."""
-    service = Service(path, address)
+    service = Service(path, address, shard)
 
     def stop(signum: int, frame: Any) -> None:
         service.stopped.set()  # the loop ends even where the raise is swallowed (a finalizer)
@@ -295,7 +479,7 @@ def main(path: str, address: str | None = None, *, say=print) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    say(f"serving {service.table.path} at {service.address} (pid {os.getpid()})", flush=True)
+    say(f"serving {service.describe()} at {service.address} (pid {os.getpid()})", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         service.serve()
     return 0

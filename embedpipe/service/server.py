@@ -86,7 +86,8 @@ class MachineShardOwner(ServedOwner):
 
     def _finish_close(self, error: BaseException | None, hung: bool) -> BaseException | None:
         self.table._release_claim()
-        self.table._abandon()  # the lock, without a commit (rank 0's owner holds it)
+        if self.owns_table:  # (a service's table: its lock stays with the service)
+            self.table._abandon()  # the lock, without a commit (rank 0's owner holds it)
         return error
 
     def drain(self) -> None:
@@ -130,10 +131,13 @@ class Server:
         self.done = False
 
     # ----------------------------------------------------------------------------- the loop
-    def run(self) -> None:
+    def run(self, first: tuple[dict[str, Any], list, list] | None = None) -> None:
+        """Serve requests until the training process closes the pipe; ``first``: its first
+        request, already received (a service reads it to know what the connection is)."""
         warnings.showwarning = self._keep_warning
         while not self.done:
-            message, arrays, fds = self.channel.receive()
+            message, arrays, fds = first if first is not None else self.channel.receive()
+            first = None
             for ring in message.pop("drop_rings", ()):
                 self.rings.pop(ring, None)
             op = message.pop("op", None)
@@ -379,11 +383,16 @@ class Server:
         if owner.writeback is not None and not owner.writeback.abandon(seconds):
             return False
         if owner.optimizer is not None:
-            owner.table._roll_back()
+            self.take_back(owner.table)
         owner.table._release_claim()
         if owner.owns_table:
             owner.table.close()
         return True
+
+    def take_back(self, table: Table) -> None:
+        """Take ``table`` back to its last checkpoint (a job dropped): all of it, as this
+        process is its only writer."""
+        table._roll_back()
 
 
 def watch_parent(parent: int) -> None:

@@ -42,7 +42,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,9 @@ CONTENT = ("weight", "state")
 #: Files being written that are not part of the table yet: our copy-on-write and restore
 #: temporaries, and zarr-python's atomic-write temporaries.
 _DEBRIS = re.compile(r"(\.tmp|\.partial)$")
+#: A row chunk's file of an array (zarr's default chunk keys: ``c/CHUNK/0``, ``c/CHUNK``), or
+#: a temporary of one
+_CHUNK = re.compile(r"(?:^|/)c/(\d+)(?:/0)?(?:\.[^/]*)?$")
 _NAME = re.compile(r"^(\d{6,})-step-(\d+)$")
 
 
@@ -358,32 +361,56 @@ class Pin:
 
 
 # ----------------------------------------------------------------------------- recover, restore
-def recover(root: str) -> Checkpoint | None:
+def recover(root: str, only: Callable[[str], bool] | None = None) -> Checkpoint | None:
     """Make the live arrays of ``root`` the latest checkpoint again; returns it (None if none).
 
     Deletes what a crash can leave: an uncommitted ``.tmp-*`` checkpoint, a ``.trash-*`` one
     being deleted, temporary chunk files, and every row written after the last commit.
+    ``only``: the files of the arrays to take back (``shard_files``: a shard's, which its owner
+    alone writes), and nothing else: the checkpoints folder only with the table's metadata.
     """
     folder = os.path.join(root, CHECKPOINTS)
-    if os.path.isdir(folder):
+    if os.path.isdir(folder) and (only is None or only(METADATA)):  # (the committer's)
         for name in os.listdir(folder):
             if name.startswith((".tmp-", ".trash-")):
                 shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
     checkpoint = latest(root)
     if checkpoint is not None:
-        restore(root, checkpoint.path)
+        restore(root, checkpoint.path, only)
     return checkpoint
 
 
-def restore(root: str, source: str) -> int:
+def shard_files(chunks: tuple[int, int], others: bool) -> Callable[[str], bool]:
+    """Which files of a table (relative paths) a shard's owner writes: the chunk files of rows
+    chunks ``[first, end)`` of every array, and (``others``) every file that is not a row
+    chunk's (the metadata), which the owner holding the writer lock writes. That owner adds
+    the arrays a job's optimizer needs, every chunk of them; another shard's ``recover``
+    leaves the chunks of arrays its checkpoint lacks (``restore``), which the first shard's
+    owner removes when it takes the metadata back, and fills again when a job needs them."""
+
+    def of_shard(rel: str) -> bool:
+        chunk = _CHUNK.search(rel.replace(os.sep, "/"))  # (a temporary's name too)
+        return others if chunk is None else chunks[0] <= int(chunk[1]) < chunks[1]
+
+    return of_shard
+
+
+def restore(root: str, source: str, only: Callable[[str], bool] | None = None) -> int:
     """Make the live arrays of ``root`` those of the checkpoint folder ``source`` (of this table
     or another one); returns how many files changed. Files are hard-linked (copied across
-    filesystems); the live metadata becomes the source's, less its checkpoint stamp."""
+    filesystems); the live metadata becomes the source's, less its checkpoint stamp.
+    ``only``: the files to take back (relative paths), as ``recover``'s."""
     for path in _debris(root):
-        unlink(path)
+        if only is None or only(os.path.relpath(path, root)):
+            unlink(path)
     want = content_files(source)
     have = content_files(root)
-    for rel in sorted(set(have) - set(want)):
+    if only is not None:
+        want = {rel: st for rel, st in want.items() if only(rel)}
+        have = {rel: st for rel, st in have.items() if only(rel)}
+    # files the source lacks: an array added since; without the metadata, the committer's
+    # (the first shard's owner prepared it for the job to come: ``shard_files``)
+    for rel in sorted(set(have) - set(want)) if only is None or only(METADATA) else ():
         os.unlink(os.path.join(root, rel))
     changed = 0
     for rel in sorted(want, key=lambda r: (not r.endswith(METADATA), r.count(os.sep), r)):
@@ -397,7 +424,10 @@ def restore(root: str, source: str) -> int:
         _link_or_copy(os.path.join(source, rel), tmp)
         os.replace(tmp, target)
         changed += 1
-    _remove_empty_folders(root)
+    if only is None:
+        _remove_empty_folders(root)
+    elif not only(METADATA):
+        return changed
     attributes = read_attributes(source)
     meta = dict(attributes.get("embedpipe", {}))
     meta.pop("checkpoint", None)

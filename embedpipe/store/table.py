@@ -370,10 +370,10 @@ class Table:
             self._meta["optimizer"] = optimizer.config()
         return self._commit(self.step)
 
-    def _roll_back(self) -> None:
+    def _roll_back(self, only: Callable[[str], bool] | None = None) -> None:
         """Take the live arrays back to the latest checkpoint (what was written since is not to
-        be kept: an interrupted or failed change)."""
-        checkpoints.recover(self.path)
+        be kept: an interrupted or failed change); ``only``: those files (a shard's)."""
+        checkpoints.recover(self.path, only)
         self._meta = read_table_metadata(self.path)
         self._open_root(self.path)
         self._modified = False

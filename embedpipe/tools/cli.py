@@ -245,7 +245,7 @@ def parse_cache_size(text: str, num_rows: int) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..service import serve
 
-    return serve.main(args.table, args.address)
+    return serve.main(args.table, args.address, serve.shard_of(args.shard))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -443,7 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run the table's owner as a service that training jobs connect to",
         description="Hold the table's writer lock and serve one training job at a time: a "
-        "pipe made with EmbeddingPipe(TABLE, ..., owner=ADDRESS) connects. A job that dies "
+        "pipe made with EmbeddingPipe(TABLE, ..., owner=ADDRESS) connects; under torchrun, "
+        "every rank of the machine makes it so, and they share the service. A job that dies "
         "leaves the table at its last checkpoint and the service running. Stop it with "
         "Ctrl-C or SIGTERM. The first line on stdout names the address.",
     )
@@ -452,6 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--address",
         help="unix:PATH, the socket to listen on (default: one in the temporary folder, "
         "named after the table)",
+    )
+    p.add_argument(
+        "--shard",
+        metavar="i/S",
+        help="serve only shard i of S (rows split at chunk boundaries) to the ranks of machine "
+        "i of a job over S machines; the service of shard 0 holds the writer lock",
     )
     p.set_defaults(run=cmd_serve)
 

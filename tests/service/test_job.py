@@ -34,10 +34,9 @@ def monkeypatch_module():
         yield patch
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("run", RUNS)
-def test_two_ranks_sharing_one_owner_process_train_the_table_ddp_trains(runs, run):
-    result = torch.load(runs / run / "result.pt")
+def assert_as_ddp_through_one_owner(result: dict) -> None:
+    """A parity run of 2 ranks through one owner: DDP's table, bit for bit, and no rows nor
+    gradients sent between the ranks."""
     distributed.assert_as_ddp(result)
     stats = result["stats"]
     assert stats["batches"] == 16  # both ranks' batches, through the one owner
@@ -49,13 +48,14 @@ def test_two_ranks_sharing_one_owner_process_train_the_table_ddp_trains(runs, ru
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("run", RUNS)
+def test_two_ranks_sharing_one_owner_process_train_the_table_ddp_trains(runs, run):
+    assert_as_ddp_through_one_owner(torch.load(runs / run / "result.pt"))
+
+
+@pytest.mark.slow
 def test_a_snapshot_loaded_mid_run_on_every_rank_trains_the_straight_runs_table(runs):
-    straight = torch.load(runs / "adagrad:2:1.0" / "result.pt")
-    reloaded = torch.load(runs / "reload" / "result.pt")
-    assert reloaded["step"] == 8
-    assert torch.equal(reloaded["offloaded"], straight["reference"])
-    for name, value in straight["reference_dense"].items():
-        assert torch.equal(value, reloaded["dense"][name]), name
+    distributed.assert_reloaded_as_straight(runs)
 
 
 @pytest.fixture(scope="module")

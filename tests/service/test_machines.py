@@ -87,19 +87,20 @@ def test_two_machines_of_one_rank_train_the_table_ddp_trains(two_machines, run):
 def test_a_snapshot_loaded_mid_run_on_two_machines_trains_the_straight_runs_table(two_machines):
     """A snapshot saved at step 2 (twice, as Trainer saves a step again), 2 more steps, then
     ``load_checkpoint`` on every rank and steps 3 to 8 again: the straight run's table."""
-    straight = torch.load(two_machines / "2" / "adagrad:2:1.0" / "result.pt")
-    reloaded = torch.load(two_machines / "2" / "reload" / "result.pt")
-    assert reloaded["step"] == 8
-    assert torch.equal(reloaded["offloaded"], straight["reference"])
-    for name, value in straight["reference_dense"].items():
-        assert torch.equal(value, reloaded["dense"][name]), name
+    distributed.assert_reloaded_as_straight(two_machines / "2")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", RUNS)
 def test_two_machines_of_two_ranks_train_the_table_the_row_sharded_ranks_train(two_machines, run):
-    result = torch.load(two_machines / "4" / run / "result.pt")
-    sharded = torch.load(two_machines / "thread-4" / run / "result.pt")
+    assert_as_row_sharded(two_machines, run)
+
+
+def assert_as_row_sharded(folder, run: str) -> None:
+    """The run of 2 machines x 2 ranks in ``folder / "4"``: the row-sharded pipe's of 4 ranks
+    (``folder / "thread-4"``) bit for bit, DDP's to float rounding; rows crossed machines."""
+    result = torch.load(folder / "4" / run / "result.pt")
+    sharded = torch.load(folder / "thread-4" / run / "result.pt")
     assert result["step"] == 8
     assert torch.equal(result["offloaded"], sharded["offloaded"])
     for name, value in sharded["offloaded_dense"].items():

@@ -32,13 +32,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager
-def serving(path):
-    """``embedpipe serve path`` in a process of its own, at a short socket path; yields its
-    address and process; stops it with SIGTERM (it must exit 0)."""
+def serving(path, address=None, *more):
+    """``embedpipe serve path [more]`` in a process of its own, at ``address`` or a short socket
+    path; yields its address and process; stops it with SIGTERM (it must exit 0)."""
     folder = tempfile.mkdtemp(prefix="ep-")
-    address = f"unix:{folder}/s.sock"
+    address = address or f"unix:{folder}/s.sock"
+    command = [sys.executable, "-m", "embedpipe.tools.cli", "serve", str(path), "--address"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "embedpipe.tools.cli", "serve", str(path), "--address", address],
+        [*command, address, *more],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -129,7 +130,7 @@ def test_a_service_refuses_other_tables_second_jobs_and_writers(tmp_path, data):
             )
     assert embedpipe.Table.open(path).step == 1
     with pytest.raises(ServiceNotFoundError, match="embedpipe serve"):
-        EmbeddingPipe(path, cache_rows=10, owner=address)  # stopped: nobody listens
+        EmbeddingPipe(path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=0.1), owner=address)
 
 
 @pytest.mark.parametrize("how", ["kill", slow("terminate")])
@@ -216,6 +217,31 @@ def test_a_reader_in_another_process_reads_the_last_checkpoint_while_a_job_train
                     assert got == ["3", repr(expected)]
 
 
+def test_a_shard_service_serves_only_its_machine_and_holds_the_lock_for_shard_0(tmp_path, data):
+    """``--shard i/S``: rows split at chunk boundaries; a job of one machine (the whole table)
+    is refused by either shard's service, naming both; the first shard's holds the writer
+    lock, the others' do not (the first's holds it for the job)."""
+    path = tmp_path / "t.zarr"
+    embedpipe.Table.create(path, 1000, 8, chunk_rows=100).close()
+    with serving(path, None, "--shard", "1/2") as (address, service):
+        with pytest.raises(ValueError, match=r"rows 500 to 1,000 \(shard 1/2\), and this job's "
+                           r"machine trains the whole table: a job of one machine needs"):  # fmt: skip
+            EmbeddingPipe(path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=0.1), owner=address)
+        embedpipe.Table.open(path, "r+").close()  # shard 1's service holds no lock
+        with serving(path, None, "--shard", "0/2") as (first, _):
+            with pytest.raises(TableLockedError):
+                embedpipe.Table.open(path, "r+")
+            with pytest.raises(ValueError, match=r"rows 0 to 500 \(shard 0/2\)"):
+                EmbeddingPipe(
+                    path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=0.1), owner=first
+                )
+            with EmbeddingPipe(path, cache_rows=10, owner=first) as pipe:  # frozen: a reader
+                assert next(iter(pipe.loader(data, batch_size=8)))["inputs_embeds"].shape[0] == 8
+                assert pipe._owner.process is not None  # of its own: no service needed
+        assert service.poll() is None
+    assert embedpipe.Table.open(path).step == 0
+
+
 def test_serve_reports_bad_input_in_one_line(tmp_path):
     result = run_cli("serve", tmp_path / "missing.zarr")
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
@@ -233,3 +259,7 @@ def test_serve_reports_bad_input_in_one_line(tmp_path):
         result = run_cli("serve", tmp_path / "u.zarr", "--address", address)
         assert result.returncode == 1 and "in use by a running service" in result.stderr
     embedpipe.Table.open(tmp_path / "u.zarr", "r+").close()  # the refused service let it go
+    for bad in ("2/2", "1", "a/b", "1/0"):
+        result = run_cli("serve", tmp_path / "u.zarr", "--shard", bad)
+        assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+        assert "--shard" in result.stderr, result.stderr

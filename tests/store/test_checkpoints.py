@@ -432,3 +432,29 @@ def test_nothing_works_in_the_folder_once_the_pipe_is_closed(tmp_path):
             pipe.checkpoint()
     shutil.rmtree(path)  # no background deletion racing it
     embedpipe.Table.create(path, 10, 4).close()
+
+
+def test_a_shards_recover_takes_back_its_own_chunks_and_nothing_else(tmp_path):
+    """``recover(only=shard_files(...))``: the files of a shard's row chunks go back to the
+    checkpoint; another shard's (its service may be writing them) and the metadata stay."""
+    path = tmp_path / "t.zarr"
+    table = embedpipe.Table.create(path, 256, 4, chunk_rows=64)  # chunks 0-3
+    table.close()
+    table = embedpipe.Table.open(path, "r+")
+    ids = np.array([1, 200])  # chunks 0 and 3
+    before = table.read(ids)
+    table.write(ids, np.ones((2, 4), np.float32))
+    table._update_metadata(note="later")
+    table._add_state("sum", 0.0)  # as the first shard's owner prepares the table for a job
+    checkpoints.recover(str(path), checkpoints.shard_files((2, 4), others=False))
+    assert (path / "state" / "sum" / "c" / "3" / "0").exists()  # not this shard's to remove
+    live = embedpipe.Table._reader(str(path), str(path))
+    assert (live.read(ids)[0] == 1).all()  # chunk 0 kept
+    assert (live.read(ids)[1] == before[1]).all()  # chunk 3 taken back
+    assert live.metadata.get("note") == "later"  # not the shard's
+    checkpoints.recover(str(path), checkpoints.shard_files((0, 2), others=True))
+    live = embedpipe.Table._reader(str(path), str(path))
+    assert (live.read(ids) == before).all() and "note" not in live.metadata
+    assert not (path / "state" / "sum" / "zarr.json").exists()  # the committer's: removed
+    table._modified = False
+    table.close()
