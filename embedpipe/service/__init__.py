@@ -8,6 +8,7 @@
 - ``serve.py``: :class:`Service`, an owner that outlives the jobs it serves
   (``embedpipe serve TABLE``, ``EmbeddingPipe(..., owner="unix:PATH")``);
 - ``address.py``: a service's address (``unix:PATH``), its default, listening there;
+- ``shard.py``: the shard of a table a service serves (``embedpipe serve --shard i/S``);
 - ``reach.py``: starting an owner process, or connecting to a service;
 - ``job.py`` and ``rank.py``: one owner process (or service) shared by the ranks of a
   ``torchrun`` job on one machine, its side and each rank's.

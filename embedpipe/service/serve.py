@@ -43,7 +43,11 @@ when a machine's rank dies, its service drops the job while the first shard's se
 be committing a checkpoint for the job's other ranks, whose hard links would take some of the
 files as they were and some as taken back; by the next job's open, the first shard's service
 has served that job's rank 0, so the dropped job is over there. The same open takes back what
-a job left when its service died, or when its last commit failed.
+a job left when its service died, or when its last commit failed. The first shard's service
+adds the state arrays a job's optimizer needs, every shard's chunks of them, while a later
+shard's service may still be dropping a job that wrote its own: so a later shard fills its
+chunks of the arrays added since the checkpoint again at the open, and removes its chunks of
+arrays the table dropped (``shard.py``).
 """
 
 from __future__ import annotations
@@ -58,18 +62,16 @@ import stat
 import sys
 import threading
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 from ..errors import TableLockedError
-from ..ranks.shards import split
 from ..store import checkpoints
-from ..store.checkpoints import shard_files
 from ..store.table import Table
 from .address import default_address, listen, socket_path
 from .channel import Channel, ChannelClosed, peer_of
 from .job import Job, RankServer
 from .server import Server
+from .shard import ServedShard, check
 
 _show_warning = warnings.showwarning
 #: How long a refused connection gets to send its first request.
@@ -100,12 +102,12 @@ class ServiceServer(Server):
             )
         if m["optimizer"] is None:  # frozen (the pipe runs its own owner: ``pipe/handle.py``)
             return Table._reader(m["path"], m["root"]), True
-        service.check_shard(m.get("shard"))
+        check(service.shard, m.get("shard"), self.address, service.table.path)
         table = service.table
         if not service.locks:  # a later shard's: the rows of a job whose first shard's holds it
             table = Table._reader(m["path"], m["path"], "r+")
-        if service.files is not None:  # NOTE [ Shard services ]: its files at the checkpoint
-            table._roll_back(service.files)
+        if service.shard is not None:  # NOTE [ Shard services ]: its files at the checkpoint
+            service.shard.settle(table, m["optimizer"].state_init())
         return table, not service.locks
 
     def take_back(self, table: Table) -> None:
@@ -118,12 +120,6 @@ class ServiceServer(Server):
     def do_open(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         super().do_open(m, arrays, fds)
         self.owner.releases_when_hung = False  # a write that hangs ends the service: its lock
-
-    def do_join(self, m: dict[str, Any], arrays: list, fds: list) -> None:
-        raise TableLockedError(
-            f"rank {m['rank']} asked to join a job at the service at {self.address}, which "
-            "serves none of its job's ranks: rank 0 opens the table first"
-        )
 
 
 class ServiceJob(Job):
@@ -166,10 +162,6 @@ class Service:
             shard = None  # (0/1: the whole table)
         #: Whether this service holds the writer lock: the whole table's, or the first shard's
         self.locks = shard is None or shard[0] == 0
-        #: The rows of its shard, ``[lo, hi)`` (None: the whole table), and its files
-        self.rows: tuple[int, int] | None = None
-        self.files: Callable[[str], bool] | None = None
-        self.shard = shard
         if shard is not None and not 0 <= shard[0] < shard[1]:
             raise ValueError(f"--shard is i/S with 0 <= i < S, got {shard[0]}/{shard[1]}")
         if self.locks:
@@ -179,13 +171,9 @@ class Service:
             self.table = Table._reader(opened.path, opened.path)
             opened.close()
         try:
-            if shard is not None:
-                i, count = shard
-                bounds = split(self.table.num_rows, self.table.chunk_rows, count)
-                self.rows = int(bounds[i]), int(bounds[i + 1])
-                chunks = self.table.chunk_rows
-                self.files = shard_files((self.rows[0] // chunks, -(-self.rows[1] // chunks)),
-                                         others=self.locks)  # fmt: skip
+            #: The shard it serves (None: the whole table), and the files it writes
+            self.shard = ServedShard(self.table, *shard) if shard is not None else None
+            self.files = self.shard.files if self.shard is not None else None
             self.address = address or default_address(self.table.path, shard)
             self.socket_path = socket_path(self.address)
             self.listener = listen(self.socket_path, self.address)
@@ -227,28 +215,8 @@ class Service:
             self.table.close()
 
     def describe(self) -> str:
-        if self.shard is None:
-            return self.table.path
-        (lo, hi), (i, count) = self.rows, self.shard
-        return f"{self.table.path} rows {lo:,} to {hi:,} (shard {i}/{count})"
-
-    def check_shard(self, theirs: Any) -> None:
-        """A job's machine owns ``theirs`` (rows ``[lo, hi)``; None: a job of one machine, the
-        whole table): the rows this service serves, or a ``ValueError`` naming both."""
-        theirs = None if theirs is None else (int(theirs[0]), int(theirs[1]))
-        if theirs == self.rows:
-            return
-        wanted = "the whole table" if theirs is None else f"rows {theirs[0]:,} to {theirs[1]:,}"
-        remedy = (
-            "a job of one machine needs a service of the whole table (embedpipe serve TABLE)"
-            if theirs is None
-            else "each machine's ranks need the service of their machine's shard: embedpipe "
-            "serve TABLE --shard i/S on machine i of S (rank 0's machine first)"
-        )
-        raise ValueError(
-            f"the service at {self.address} serves {self.describe()}, and this job's machine "
-            f"trains {wanted}: {remedy}"
-        )
+        shard = f" {self.shard.describe()}" if self.shard is not None else ""
+        return f"{self.table.path}{shard}"
 
     def _serve_job(self, sock: socket.socket) -> bool:
         """Serve one job until it closes its pipe or is gone (its steps since its last
@@ -277,8 +245,10 @@ class Service:
             server.channel.close()
             if not _drop(server, job):
                 return False
-            if not isinstance(e, ChannelClosed):
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
+            if not isinstance(e, ChannelClosed):  # (a request it cannot read: another version's)
+                sys.stderr.write(f"embedpipe serve: dropped the job of pid {server.peer}: {e!r}\n")
         finally:
             if job is not None:  # the other ranks' threads: ended by the close, or the failure
                 for thread in job.threads:
@@ -360,12 +330,15 @@ class Service:
         if server not in job.servers:
             self._refuse(sock, first)
             return
+        if job.failed:  # (failed as it joined: ``_fail`` may have missed its connection)
+            self._fail(job)
         try:
             server.run(first)
         except BaseException:
             self._fail(job)
         finally:
             server.rings.clear()
+            server.channel.close()
 
     @staticmethod
     def _fail(job: ServiceJob) -> None:
@@ -377,9 +350,10 @@ class Service:
         for server in list(job.servers):
             with contextlib.suppress(OSError):
                 server.channel.sock.shutdown(socket.SHUT_RDWR)
-        if job.lock.acquire(timeout=DROP_SECONDS):  # else held in a write that hangs: _drop
-            job.lock.notify_all()
-            job.lock.release()
+        if not job.lock.acquire(timeout=DROP_SECONDS):  # held in a write that hangs
+            _hung(job.servers[0].service.table.path)
+        job.lock.notify_all()
+        job.lock.release()
 
     def _refuse(self, sock: socket.socket, first: Any = None) -> None:
         serving = self.serving
@@ -409,6 +383,8 @@ def _job_of(first: Any) -> ServiceJob | None:
     """The job of several ranks a connection's first request opens (None: one process's)."""
     if not isinstance(first, dict):  # not a request of embedpipe's: as a job gone
         raise ChannelClosed(f"a first request that is not embedpipe's: {type(first).__name__}")
+    if first.get("op") == "join":  # a rank of a job not served here (failed, or elsewhere)
+        raise ChannelClosed(f"rank {first.get('rank')} joins a job this service does not serve")
     ranks, token = first.get("ranks", 1), first.get("job")
     if (
         first.get("op") == "open"
@@ -452,19 +428,6 @@ def _alive(pid: int) -> bool:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     return True
-
-
-def shard_of(text: str | None) -> tuple[int, int] | None:
-    """``--shard i/S``: shard i of S, 0 <= i < S."""
-    if text is None:
-        return None
-    i, _, count = text.partition("/")
-    if not (i.isdigit() and count.isdigit() and int(i) < int(count)):
-        raise ValueError(
-            f"--shard is i/S, shard i of S with 0 <= i < S (0/2 and 1/2 for two machines), "
-            f"got {text!r}"
-        )
-    return int(i), int(count)
 
 
 def main(

@@ -412,6 +412,8 @@ def restore(root: str, source: str, only: Callable[[str], bool] | None = None) -
     # (the first shard's owner prepared it for the job to come: ``shard_files``)
     for rel in sorted(set(have) - set(want)) if only is None or only(METADATA) else ():
         os.unlink(os.path.join(root, rel))
+        if only is not None:  # its folders once empty (another shard's may still hold files)
+            _remove_empty_parents(root, rel)
     changed = 0
     for rel in sorted(want, key=lambda r: (not r.endswith(METADATA), r.count(os.sep), r)):
         st, now = want[rel], have.get(rel)
@@ -433,6 +435,16 @@ def restore(root: str, source: str, only: Callable[[str], bool] | None = None) -
     meta.pop("checkpoint", None)
     write_file(os.path.join(root, METADATA), group_metadata({**attributes, "embedpipe": meta}))
     return changed
+
+
+def _remove_empty_parents(root: str, rel: str) -> None:
+    folder = os.path.dirname(rel)
+    while folder:
+        try:
+            os.rmdir(os.path.join(root, folder))
+        except OSError:  # not empty
+            return
+        folder = os.path.dirname(folder)
 
 
 def snapshot(source: str, destination: str) -> Checkpoint:

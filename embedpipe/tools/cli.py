@@ -244,8 +244,9 @@ def parse_cache_size(text: str, num_rows: int) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..service import serve
+    from ..service.shard import shard_of
 
-    return serve.main(args.table, args.address, serve.shard_of(args.shard))
+    return serve.main(args.table, args.address, shard_of(args.shard))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
