@@ -107,7 +107,12 @@ class ServiceServer(Server):
         if not service.locks:  # a later shard's: the rows of a job whose first shard's holds it
             table = Table._reader(m["path"], m["path"], "r+")
         if service.shard is not None:  # NOTE [ Shard services ]: its files at the checkpoint
-            service.shard.settle(table, m["optimizer"].state_init())
+            try:
+                service.shard.settle(table, m["optimizer"].state_init())
+            except BaseException:
+                if table is not service.table:
+                    table.close()
+                raise
         return table, not service.locks
 
     def take_back(self, table: Table) -> None:
