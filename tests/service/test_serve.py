@@ -10,6 +10,7 @@ import contextlib
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,8 @@ import torch
 import embedpipe
 from embedpipe.errors import OwnerDiedError, ServiceNotFoundError, TableLockedError
 from embedpipe.pipe import EmbeddingPipe
+from embedpipe.service.address import socket_path
+from embedpipe.service.channel import Channel, ChannelClosed
 
 from .. import crash_run
 from ..helpers import initial_table, run_cli, slow, train_offloaded, train_reference, zipf_dataset
@@ -240,6 +243,35 @@ def test_a_shard_service_serves_only_its_machine_and_holds_the_lock_for_shard_0(
                 assert pipe._owner.process is not None  # of its own: no service needed
         assert service.poll() is None
     assert embedpipe.Table.open(path).step == 0
+
+
+def test_a_stray_rank_or_an_unreadable_request_never_holds_nor_stops_the_service(tmp_path, data):
+    """A first request that joins a job the service does not serve (a late rank of a job that
+    failed) has its connection ended; a request the service cannot read (another version's
+    pickles) drops its job with one line on stderr: either way the next job is served."""
+    path = tmp_path / "t.zarr"
+    embedpipe.Table.create(path, 1000, 8).close()
+    with serving(path) as (address, service):
+        stray = Channel.connect(socket_path(address))
+        stray.send({"op": "join", "rank": 1, "job": "a failed job's"})
+        with pytest.raises(ChannelClosed):
+            stray.receive()
+        unreadable = Channel.connect(socket_path(address))
+        header = b"cno_such_module_of_embedpipe\nRequest\n."  # a class it cannot import
+        unreadable.sock.sendall(struct.pack("!QQ", len(header), 0) + header)
+        with pytest.raises(ChannelClosed):
+            unreadable.receive()
+        with EmbeddingPipe(
+            path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=0.1), owner=address
+        ) as pipe:
+            batch = next(iter(pipe.loader(data, batch_size=8)))
+            batch["inputs_embeds"].sum().backward()
+            pipe.step()
+        assert service.poll() is None
+        service.terminate()
+        assert service.wait(timeout=30) == 0
+        assert "dropped the job" in service.stderr.read()
+    assert embedpipe.Table.open(path).step == 1
 
 
 def test_serve_reports_bad_input_in_one_line(tmp_path):
