@@ -44,6 +44,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import time
 
@@ -128,6 +129,30 @@ def service_address(path: str, machine: int | str | None = None) -> str:
     ``GROUP_RANK``, a machine's own service: ``PIPE_OWNER=served``)."""
     machine = os.environ.get("GROUP_RANK", "0") if machine is None else machine
     return f"unix:{os.path.abspath(path)}.{machine}.sock"
+
+
+def serve_tables(owner: str, *paths: str):
+    """Owner ``served``: rank 0 serves each table (``embedpipe serve``) at the address the
+    pipes connect to; returns what stops them, called by every rank once its pipes closed."""
+    services = []
+    if owner == "served" and dist.get_rank() == 0:
+        for path in paths:
+            command = [sys.executable, "-m", "embedpipe.tools.cli", "serve", path, "--address"]
+            service = subprocess.Popen(
+                [*command, service_address(path, 0)], stdout=subprocess.PIPE, text=True
+            )
+            services.append(service)
+            assert service.stdout.readline().startswith("serving"), service.wait()
+    dist.barrier()
+
+    def stop() -> None:
+        dist.barrier()  # every rank's pipes closed
+        for service in services:
+            service.terminate()
+            assert service.wait(timeout=30) == 0
+            service.stdout.close()
+
+    return stop
 
 
 def make_pipe(path: str, optimizer: str, **options) -> embedpipe.EmbeddingPipe:
@@ -535,6 +560,7 @@ def noisy(folder: str, *owners: str) -> None:
     reference, reference_dense = emb.weight.detach().clone(), dense_state(model)
     for owner in owners:
         model = offloaded_model(os.path.join(folder, f"noisy-{owner}.zarr"))
+        stop = serve_tables(owner, os.path.join(folder, f"noisy-{owner}.zarr"))
         seed_everything(5)
         pipe = make_pipe(os.path.join(folder, f"noisy-{owner}.zarr"), "adagrad", owner=owner)
         loader = pipe.loader(samples, batch_size=BATCH, sampler=sampler(samples), num_workers=2)
@@ -547,6 +573,7 @@ def noisy(folder: str, *owners: str) -> None:
         pipe.flush()
         table = pipe.table.to_tensor()
         pipe.close()
+        stop()
         result = {"reference": reference, "offloaded": table, "dense": dense_state(model)}
         result["reference_dense"] = reference_dense
         result["batches"] = [torch.equal(a, b) for a, b in zip(reference_seen, seen)]
@@ -593,7 +620,7 @@ def two(folder: str, *owners: str) -> None:
         if dist.get_rank() == 0:
             for n, path in paths.items():
                 embedpipe.Table.from_tensor(path, initial[n], chunk_rows=64).close()
-        dist.barrier()
+        stop = serve_tables(owner, *paths.values())
         pipes = {n: make_pipe(paths[n], o, owner=owner) for n, o in zip("ab", ("adagrad", "sgd"))}
         optimizers = [
             torch.optim.SGD([pipes["b"].parameter], lr=LR["sgd"]),
@@ -616,6 +643,7 @@ def two(folder: str, *owners: str) -> None:
             result[n] = (getattr(reference, n).weight.detach(), trained)
             result[f"{n} moved"] = int((trained != initial[n]).any(dim=1).sum())
             pipe.close()
+        stop()
         result["head"] = [
             torch.equal(x, y) for x, y in zip(reference.head.parameters(), model.head.parameters())
         ]

@@ -62,6 +62,7 @@ import stat
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import TableLockedError
@@ -120,7 +121,7 @@ class ServiceServer(Server):
         back now; a later shard's service when the next job opens them (NOTE [ Shard
         services ])."""
         if self.service.locks:
-            table._roll_back(self.service.files)
+            table._roll_back(self.service.files())
 
     def do_open(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         super().do_open(m, arrays, fds)
@@ -176,9 +177,8 @@ class Service:
             self.table = Table._reader(opened.path, opened.path)
             opened.close()
         try:
-            #: The shard it serves (None: the whole table), and the files it writes
+            #: The shard it serves (None: the whole table)
             self.shard = ServedShard(self.table, *shard) if shard is not None else None
-            self.files = self.shard.files if self.shard is not None else None
             self.address = address or default_address(self.table.path, shard)
             self.socket_path = socket_path(self.address)
             self.listener = listen(self.socket_path, self.address)
@@ -215,9 +215,13 @@ class Service:
         finally:
             self.stop()
             if self.table._modified:  # a job's unfinished change: never commit it
-                self.table._roll_back(self.files)
+                self.table._roll_back(self.files())
             self.table._release_claim()
             self.table.close()
+
+    def files(self) -> Callable[[str], bool] | None:
+        """The table's files this service writes (``checkpoints.recover``'s ``only``)."""
+        return self.shard.files if self.shard is not None else None
 
     def describe(self) -> str:
         shard = f" {self.shard.describe()}" if self.shard is not None else ""
@@ -345,8 +349,7 @@ class Service:
             server.rings.clear()
             server.channel.close()
 
-    @staticmethod
-    def _fail(job: ServiceJob) -> None:
+    def _fail(self, job: ServiceJob) -> None:
         """A rank of ``job`` is gone (or the service stops): every other rank's connection
         ends and its wait with it, so the job is dropped (``_serve_job``) and its ranks raise.
         The connections end first: a rank's thread may hold the job's lock in a send to a rank
@@ -356,7 +359,7 @@ class Service:
             with contextlib.suppress(OSError):
                 server.channel.sock.shutdown(socket.SHUT_RDWR)
         if not job.lock.acquire(timeout=DROP_SECONDS):  # held in a write that hangs
-            _hung(job.servers[0].service.table.path)
+            _hung(self.table.path)
         job.lock.notify_all()
         job.lock.release()
 

@@ -410,9 +410,10 @@ def test_random_samples_and_dropout_train_as_ddp_with_nn_embedding_with_either_o
     """A dataset drawing word dropout from numpy's, torch's and ``random``'s generators in 2
     workers a rank, a shuffled DistributedSampler, BERT's own dropout, Adagrad with clipping:
     every batch's ids, the table and the dense weights as DDP + ``nn.Embedding``, on both ranks,
-    with each rank owning a shard (owner='thread') and with one owner process for both."""
-    torchrun("noisy", str(tmp_path), "thread", "process")
-    for owner in ("thread", "process"):
+    with each rank owning a shard (owner='thread'), with one owner process for both, and with
+    one service (``embedpipe serve``) for both."""
+    torchrun("noisy", str(tmp_path), "thread", "process", "served")
+    for owner in ("thread", "process", "served"):
         for rank in (0, 1):
             result = torch.load(tmp_path / f"noisy-{owner}-rank{rank}.pt")
             assert result["count"] == (8, 8) and all(result["batches"]), (owner, rank)
@@ -424,9 +425,10 @@ def test_random_samples_and_dropout_train_as_ddp_with_nn_embedding_with_either_o
 
 @pytest.mark.slow
 def test_two_tables_in_two_optimizers_train_as_ddp_with_two_nn_embeddings(tmp_path):
-    """Two pipes (Adagrad, SGD; SGD steps first), their loaders zipped, with each owner kind."""
-    torchrun("two", str(tmp_path), "thread", "process")
-    for owner in ("thread", "process"):
+    """Two pipes (Adagrad, SGD; SGD steps first), their loaders zipped, with each owner kind
+    (``served``: a service a table, both serving the job's 2 ranks)."""
+    torchrun("two", str(tmp_path), "thread", "process", "served")
+    for owner in ("thread", "process", "served"):
         for rank in (0, 1):
             result = torch.load(tmp_path / f"two-{owner}-rank{rank}.pt")
             for name in "ab":
