@@ -383,6 +383,8 @@ class Service:
             )
         except (OSError, ChannelClosed):
             pass
+        except Exception as e:  # a request it cannot read (another version's): refused all the same
+            sys.stderr.write(f"embedpipe serve: refused a request it cannot read: {e!r}\n")
         finally:
             channel.close()
 
@@ -445,8 +447,9 @@ def main(
     service = Service(path, address, shard)
 
     def stop(signum: int, frame: Any) -> None:
-        service.stopped.set()  # the loop ends even where the raise is swallowed (a finalizer)
-        raise KeyboardInterrupt
+        service.stopped.set()  # idle, the loop sees it; serving, it ends once the job does ...
+        if service.serving is not None:
+            raise KeyboardInterrupt  # ... or now (unless the raise lands in a finalizer)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
