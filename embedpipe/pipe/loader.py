@@ -122,9 +122,10 @@ class PipeLoader(DataLoader):
         shared = owner.shared if owner.workers_read_shared else None
         if num_workers == 0 and getattr(owner, "reads_rows_at_claim", False):
             shared = None  # an owner process reads them: this process never reads the table
-        # set while a lookahead stream reads this loader's misses (NOTE [ Misses read by the owner ])
+        # set while a lookahead stream reads this loader's misses, and once a stream found the
+        # table's disk cold (NOTE [ Misses read by the owner ])
         self._defer = (
-            SharedBlock({"misses": ((1,), np.int8, 0)})
+            SharedBlock({"misses": ((1,), np.int8, 0), "cold": ((1,), np.int8, 0)})
             if ring is not None and owner.looks_ahead
             else None
         )

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import embedpipe
-from embedpipe.cache.policy import LFU, LRU, make_policy
+from embedpipe.cache.policy import LFU, LRU, Lookahead, make_policy
 from embedpipe.cache.rowcache import RowCache
 from embedpipe.cache.sharedrows import SharedRows
 
@@ -76,10 +76,22 @@ def test_scores_kept_per_slot_equal_scores_computed_from_scratch(name):
     )
     policy = cache.policy
     batches = [np.unique(rng.integers(0, 500, 30)) for _ in range(300)]
-    looks = name == "lookahead"
+    for t in run_batches(cache, batches, restart_every=97):
+        occupied = np.flatnonzero(shared.slot_id >= 0)
+        expected = policy.row_score(shared.slot_id[occupied], occupied)
+        assert np.array_equal(policy.score[occupied], expected), t
+        assert (policy.score[shared.slot_id < 0] == -1).all()
+
+
+def run_batches(cache: RowCache, batches: list[np.ndarray], restart_every: int):
+    """Admit ``batches`` one by one, the lookahead policy's window moving (5 batches ahead,
+    restarted now and then), training every other batch and rows held and released; yields
+    each batch's number once it is admitted."""
+    policy = cache.policy
+    looks = isinstance(policy, Lookahead)
     for t, batch in enumerate(batches):
         if looks:
-            if t % 97 == 0:
+            if t % restart_every == 0:
                 policy.restart()
             if t + 5 < len(batches):
                 policy.foresee(batches[t + 5])
@@ -90,7 +102,42 @@ def test_scores_kept_per_slot_equal_scores_computed_from_scratch(name):
             policy.hold(batch)
         if looks and t % 7 == 0:
             policy.release()
-        occupied = np.flatnonzero(shared.slot_id >= 0)
-        expected = policy.row_score(shared.slot_id[occupied], occupied)
-        assert np.array_equal(policy.score[occupied], expected), t
-        assert (policy.score[shared.slot_id < 0] == -1).all()
+        yield t
+
+
+@pytest.mark.parametrize("name", ["lfu", "lookahead"])
+def test_the_cold_pool_frees_what_a_partition_of_every_slot_would(name, monkeypatch):
+    """NOTE [ The cold pool ]: at every plan, the slots freed have the scores that partitioning
+    every slot gives, and the same missed rows are admitted; the pool is made again only every
+    few plans (through the cache filling, LFU's halving, windows restarted, rows held)."""
+    rng = np.random.default_rng(1)
+    num_rows, cache_rows = 20_000, 2_000
+    shared = SharedRows(num_rows, cache_rows, 1, np.float32)
+    policy = make_policy(name, cache_rows, num_rows, window=5)
+    cache = RowCache(
+        shared,
+        policy,
+        lambda ids, _: np.zeros((len(ids), 1), np.float32),
+        lambda ids, rows, _: None,
+    )
+    plans, pools = [], []
+    real_plan, real_new_pool = policy.plan, policy._new_pool
+
+    def plan(candidates, keep, slot_ids):
+        _, scores = LRU._coldest(policy, len(candidates), keep, slot_ids)  # every slot
+        expected = policy._choose(candidates, scores)
+        chosen, freed = real_plan(candidates, keep, slot_ids)
+        np.testing.assert_array_equal(chosen, expected)
+        np.testing.assert_array_equal(policy.score[freed], scores[: len(chosen)])
+        assert not np.isin(freed, keep).any()
+        plans.append(len(chosen))
+        return chosen, freed
+
+    monkeypatch.setattr(policy, "plan", plan)
+    monkeypatch.setattr(policy, "_new_pool", lambda *a: pools.append(1) or real_new_pool(*a))
+    # zipf ids, 60-100 a batch: the cache fills within a few dozen batches, LFU halves at 666
+    batches = [np.unique(rng.zipf(1.2, rng.integers(60, 100)) % num_rows) for _ in range(900)]
+    for _ in run_batches(cache, batches, restart_every=211):
+        pass
+    assert len(plans) == len(batches) and sum(plans) > 2 * cache_rows  # full, and evicting
+    assert len(pools) < len(plans) / 3, (len(pools), len(plans))

@@ -238,6 +238,39 @@ def test_a_reader_that_cannot_keep_up_hands_the_misses_back_to_the_workers(tmp_p
     assert any(handed_back) and stats["deferred"] < stats["misses"]
 
 
+def test_a_cold_disk_hands_the_misses_back_to_the_workers_at_once(tmp_path):
+    """NOTE [ Misses read by the owner ]: the reader's first batch comes from the disk, not the
+    page cache, so the workers read the misses from then on, in parallel; the rows stay right."""
+    from embedpipe.tools.benchmark.cgroup import drop_page_cache
+    from embedpipe.tools.benchmark.cold import table_files
+
+    path = tmp_path / "t.zarr"
+    weight = torch.randn(8000, 256)
+    embedpipe.Table.from_tensor(path, weight).close()
+    drop_page_cache(table_files(str(path)))
+    probe = embedpipe.Table.open(path, "r")
+    probe.read(np.arange(0, 8000, 97))
+    if probe._array("weight").rows_waited == 0:
+        pytest.skip("this file system keeps the table's pages in memory: no cold read to make")
+    probe.close()
+    drop_page_cache(table_files(str(path)))
+    tokens = np.random.default_rng(4).integers(0, 8000, size=(80 * 8, 16))
+    handed_back = []
+    with embedpipe.EmbeddingPipe(path, cache_rows=400, policy="lookahead") as pipe:
+        data = [{"input_ids": torch.from_numpy(t)} for t in tokens]
+        loader = pipe.loader(data, batch_size=8, num_workers=2)
+        for batch in loader:
+            assert torch.equal(batch["inputs_embeds"], weight[batch["input_ids"]])
+            handed_back.append(pipe._owner.stream.handed_back)
+        stats = pipe.stats()
+        for batch in loader:  # a second epoch: the workers read the misses from its start
+            assert torch.equal(batch["inputs_embeds"], weight[batch["input_ids"]])
+        again = pipe.stats()
+    first = handed_back.index(True)  # once the child foresaw a batch and the reader read it
+    assert all(handed_back[first:]) and 0 < stats["deferred"] < stats["misses"] / 2, stats
+    assert again["deferred"] == stats["deferred"] and again["misses"] > 2 * stats["misses"] - 500
+
+
 def test_training_stays_exact_when_the_misses_go_back_to_the_workers(tmp_path, monkeypatch):
     """Misses read by the owner, then handed back mid-epoch (forced at batch 20: when the reader
     falls behind depends on the machine's load): every row the model and the steps see is still
@@ -248,8 +281,7 @@ def test_training_stays_exact_when_the_misses_go_back_to_the_workers(tmp_path, m
 
     def hand_back_at_20(self, ready, began, waited):
         if self.claimed >= 20 and not self.handed_back:
-            self.defer["misses"][0] = 0
-            self.handed_back = True
+            self._hand_back()  # the reader still reads the batches dispatched before
         return keep_up(self, ready, began, waited)
 
     monkeypatch.setattr(Stream, "_keep_up", hand_back_at_20)

@@ -72,6 +72,7 @@ NAMES = [s.NAME for s in SECTIONS] + ([] if COLD else ["cold"])
 #: The cold section's targets, shown as not measured when it does not run.
 COLD_TARGETS = [
     target("cold disk: rows/s vs the device's queue-depth-16 rate", None, ">= 0.80x", None),
+    target("cold disk (cache): batches/s vs lazy loading's", None, ">= 1.00x", None),
     target(
         "peak memory vs 1.2 x (cache + ring + index) + in-RAM contender without table",
         None,
