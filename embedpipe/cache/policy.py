@@ -35,7 +35,8 @@ victims among the pool's slots still at or below the bar. Every slot scored belo
 the pool, so the victims' scores are those a partition of every slot would give (slots tied at
 the bar are interchangeable), and so is which missed rows are admitted. When the pool has fewer
 victims than a plan needs, the next partition of every slot makes a new one: one every few
-hand-offs in a full cache, not one each.
+hand-offs in a full cache, not one each. The writeback's cleaning ahead (``coldest_of``: the
+coldest dirty rows) takes them from the pool too, or partitions every slot when it cannot.
 
 NOTE [ The lookahead window ]. Without a window (an iterable dataset) it is LFU.
 - ``"auto"`` is lookahead: it read as many rows as Belady's optimum (within 2%) at every cache
@@ -129,6 +130,18 @@ class LRU:
     def _choose(self, candidates: np.ndarray, victim_scores: np.ndarray) -> np.ndarray:
         return np.arange(len(victim_scores))  # LRU admits every miss that finds a slot
 
+    def coldest_of(self, wanted: int, allowed: np.ndarray, slot_ids: np.ndarray) -> np.ndarray:
+        """The ``wanted`` coldest slots where ``allowed`` (a mask over the slots; fewer if
+        fewer are allowed), in no particular order: the slots the next hand-offs free first."""
+        score = self.slot_score(slot_ids)
+        score[~allowed] = np.inf
+        coldest = (
+            np.argpartition(score, wanted - 1)[:wanted]
+            if wanted < len(score)
+            else np.arange(len(score))
+        )
+        return coldest[np.isfinite(score[coldest])]
+
 
 class LFU(LRU):
     """Evict the least frequently used row; admit a miss only if it is used more often."""
@@ -220,14 +233,29 @@ class LFU(LRU):
         if self._index is None or not self.pooled:
             return super()._coldest(wanted, keep, slot_ids)
         if self._bar != -np.inf:
-            pool = np.unique(np.concatenate([self._pool, *self._joined]))
-            score = self.score[pool]
-            low = score <= self._bar  # the slots that warmed up since leave the pool
-            self._pool, self._joined = pool[low], []
-            usable = np.flatnonzero(~np.isin(self._pool, keep))
+            pool, score = self._compact()
+            usable = np.flatnonzero(~np.isin(pool, keep))
             if len(usable) >= wanted:
-                return self._pick(self._pool[usable], score[low][usable], wanted)
+                return self._pick(pool[usable], score[usable], wanted)
         return self._new_pool(wanted, keep)
+
+    def coldest_of(self, wanted: int, allowed: np.ndarray, slot_ids: np.ndarray) -> np.ndarray:
+        if self._index is None or not self.pooled or self._bar == -np.inf:
+            return super().coldest_of(wanted, allowed, slot_ids)
+        pool, score = self._compact()
+        ok = allowed[pool]
+        if ok.sum() < wanted:  # (every slot then; the pool is made again by the next plan)
+            return super().coldest_of(wanted, allowed, slot_ids)
+        return self._pick(pool[ok], score[ok], wanted)[0]
+
+    def _compact(self) -> tuple[np.ndarray, np.ndarray]:
+        """The pool's slots still at or below the bar (the others warmed up since and leave
+        it), and their scores."""
+        pool = np.unique(np.concatenate([self._pool, *self._joined]))
+        score = self.score[pool]
+        low = score <= self._bar
+        self._pool, self._joined = pool[low], []
+        return self._pool, score[low]
 
     def _new_pool(self, wanted: int, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Partition every slot: the victims of this plan, and a new pool (and bar)."""

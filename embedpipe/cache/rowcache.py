@@ -311,16 +311,7 @@ class RowCache:
         wanted = 2 * self.last_admitted
         if wanted == 0 or (self.shared.slot_id < 0).sum() >= wanted:
             return 0
-        candidates = self.dirty & ~self.pinned
-        score = self.policy.slot_score(self.shared.slot_id)
-        score[~candidates] = np.inf
-        # coldest first: only dirty rows among the next `wanted` victims need writing
-        coldest = (
-            np.argpartition(score, wanted - 1)[:wanted]
-            if wanted < len(score)
-            else np.arange(len(score))
-        )
-        slots = coldest[np.isfinite(score[coldest])]
+        slots = self.policy.coldest_of(wanted, self.dirty & ~self.pinned, self.shared.slot_id)
         self._write_back(slots)
         self.counts["cleaned_ahead"] += len(slots)
         return len(slots)

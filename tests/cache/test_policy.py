@@ -108,7 +108,8 @@ def run_batches(cache: RowCache, batches: list[np.ndarray], restart_every: int):
 @pytest.mark.parametrize("name", ["lfu", "lookahead"])
 def test_the_cold_pool_frees_what_a_partition_of_every_slot_would(name, monkeypatch):
     """NOTE [ The cold pool ]: at every plan, the slots freed have the scores that partitioning
-    every slot gives, and the same missed rows are admitted; the pool is made again only every
+    every slot gives, and the same missed rows are admitted (and so for the coldest dirty rows
+    that the writeback cleans ahead); the pool is made again only every
     few plans (through the cache filling, LFU's halving, windows restarted, rows held)."""
     rng = np.random.default_rng(1)
     num_rows, cache_rows = 20_000, 2_000
@@ -137,7 +138,11 @@ def test_the_cold_pool_frees_what_a_partition_of_every_slot_would(name, monkeypa
     monkeypatch.setattr(policy, "_new_pool", lambda *a: pools.append(1) or real_new_pool(*a))
     # zipf ids, 60-100 a batch: the cache fills within a few dozen batches, LFU halves at 666
     batches = [np.unique(rng.zipf(1.2, rng.integers(60, 100)) % num_rows) for _ in range(900)]
-    for _ in run_batches(cache, batches, restart_every=211):
-        pass
+    for _ in run_batches(cache, batches, restart_every=211):  # and the rows cleaned ahead
+        allowed = rng.random(cache_rows) < 0.5
+        got = policy.coldest_of(100, allowed, shared.slot_id)
+        every = LRU.coldest_of(policy, 100, allowed, shared.slot_id)
+        np.testing.assert_array_equal(np.sort(policy.score[got]), np.sort(policy.score[every]))
+        assert allowed[got].all()
     assert len(plans) == len(batches) and sum(plans) > 2 * cache_rows  # full, and evicting
     assert len(pools) < len(plans) / 3, (len(pools), len(plans))
