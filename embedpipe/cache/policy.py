@@ -269,7 +269,10 @@ class LFU(LRU):
         if size == len(self.score):
             self._bar = -np.inf  # the whole cache: a pool would save nothing
         score = score.copy()
-        score[np.isin(pool, keep)] = np.inf
+        if size == len(self.score):
+            score[keep] = np.inf  # (pool: every slot, in order)
+        else:
+            score[np.isin(pool, keep)] = np.inf
         usable = np.flatnonzero(np.isfinite(score))
         if len(usable) >= wanted or size == len(self.score):
             return self._pick(pool[usable], score[usable], wanted)

@@ -33,12 +33,11 @@ and the reads run beside the loop, in a thread that mostly waits on the disk. A 
 used only if no step changed it since it was read (its ``last_updated`` tick); the table has the
 newest copy of every row the cache lacks (invariant 3). The buffers hold at most the batches in
 flight. One thread reads for all the workers, so when it cannot keep up with the loop
-(``Stream._keep_up``: a loop with no model to hide it), or when most rows of its first batch
-come from the disk, not the page cache (a cold disk: from then on, and every later epoch of
-the loader), the stream hands the misses back to the workers: their reads in parallel are what
-a cold disk needs, and the rows batches in flight share are the popular ones, which the cache
-holds anyway (cold disk, uniform ids, 10% cache, 2 workers: 0.7-0.8x lazy loading's batches/s
-with the reader reading all epoch, 0.9x handed back, 1.0x for LFU, whose workers read).
+(``Stream._keep_up``: a loop with no model to hide it), or when most rows of a batch it reads
+come from the disk, not the page cache (a cold disk; the loader's later epochs start so), the
+misses go back to the workers: their reads in parallel are what a cold disk needs, and the rows
+batches in flight share are the popular ones, which the cache holds (cold disk, uniform ids,
+10% cache: 0.7-0.8x lazy loading's batches/s reading all epoch, 0.9x handed back at once).
 """
 
 from __future__ import annotations
@@ -201,8 +200,7 @@ class Stream:
         self.dispatched = first - 1  # the last batch the DataLoader drew (and dispatched)
         self.filled = first - 1  # the last dispatched batch whose misses were read
         self.filling: int | None = None  # the dispatched batch whose misses are being read
-        self.first_received = -1  # the number of the child's first batch
-        self.last_received = -1  # ... and of its latest
+        self.first_received = self.last_received = -1  # the child's first batch, its latest
         self.first_foreseen: int | None = None  # ... and of the first it sent in time
         self.ended = False  # the child sent its last batch (or failed)
         #: per claim judged (from the first batch foreseen in time): it matched a foreseen one
@@ -211,17 +209,15 @@ class Stream:
         self.defer = defer
         #: per hand-off: its misses were read, when it began, how long it waited for the reader
         self._ready: deque[tuple[bool, float, float]] = deque(maxlen=KEEP_UP_BATCHES)
-        self.handed_back = False  # the workers read misses again; the last batch dispatched then:
-        self.left_until = -1
+        self.handed_back, self.left_until = False, -1  # workers read misses after left_until
         self._table: Any = None
         self.wake = threading.Condition()
         self.stopped = False
         self.ids = ids
         self.ids.credit(self.window)
-        if defer is not None and defer["cold"][0]:  # an earlier epoch found the disk cold
-            self.handed_back = True
-        elif defer is not None:  # the workers leave their misses to the owner from now on
-            defer["misses"][0] = 1
+        if defer is not None:  # the workers leave their misses to the owner from now on ...
+            self.handed_back = bool(defer["cold"][0])  # ... unless an epoch found the disk cold
+            defer["misses"][0] = not self.handed_back
         if order is not None:
             order.on_draw = self._drawn
         with owner.lock:
@@ -311,12 +307,14 @@ class Stream:
 
     def _hand_back(self, cold: bool = False) -> None:
         """The workers read their misses from their next lookup; the reader still reads those
-        of the batches dispatched so far (else their hand-offs would, one at a time)."""
+        of the batches dispatched until the first hand-back (else their hand-offs would, one at
+        a time). Under the owner's lock."""
         if self.defer is not None:
             self.defer["misses"][0] = 0
             self.defer["cold"][0] |= cold
-        self.left_until = self.dispatched
-        self.handed_back = True
+        if not self.handed_back:
+            self.left_until = self.dispatched
+            self.handed_back = True
 
     def take(self, ids: np.ndarray, dim: int, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
         """For the hand-off of the batch just claimed: the rows of ``ids`` (its misses) that the
@@ -438,8 +436,10 @@ class Stream:
                 reader = self._reader()
                 waited = getattr(reader, "rows_waited", 0)
                 rows[todo] = reader.read(missing[todo])
-                if getattr(reader, "rows_waited", 0) - waited >= COLD_SHARE * todo.sum():
-                    self._hand_back(cold=True)  # most came from the disk: the next epochs too
+                tells = getattr(reader, "_nowait", False)  # (else every row counts as waited)
+                if tells and reader.rows_waited - waited >= COLD_SHARE * todo.sum():
+                    with self.owner.lock:  # most came from the disk: the next epochs too
+                        self._hand_back(cold=True)
             with self.owner.lock:
                 cache.count_read(int(todo.sum()))
                 self.buffers[number] = (missing, rows, tick)

@@ -239,6 +239,8 @@ class Service:
             self.serving = server
         job: ServiceJob | None = None
         try:
+            if self.stopped.is_set():  # a signal before ``serving`` was set: it did not raise
+                raise KeyboardInterrupt
             first = server.channel.receive()
             job = _job_of(first[0])
             if job is not None:

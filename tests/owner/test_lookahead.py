@@ -271,6 +271,24 @@ def test_a_cold_disk_hands_the_misses_back_to_the_workers_at_once(tmp_path):
     assert again["deferred"] == stats["deferred"] and again["misses"] > 2 * stats["misses"] - 500
 
 
+def test_reads_that_cannot_tell_the_page_cache_never_make_a_disk_cold(tmp_path, monkeypatch):
+    """Without ``RWF_NOWAIT`` (another OS, some file systems) every row takes the blocking pass,
+    as a row from the disk does: the reader must not take a warm table for a cold disk."""
+    from embedpipe.store import rowstore
+
+    monkeypatch.setattr(rowstore, "_NOWAIT", 0)
+    weight = torch.randn(2000, 8)
+    embedpipe.Table.from_tensor(tmp_path / "t.zarr", weight).close()
+    tokens = np.random.default_rng(5).integers(0, 2000, size=(40 * 8, 16))
+    data = [{"input_ids": torch.from_numpy(t)} for t in tokens]
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100, policy="lookahead") as pipe:
+        loader = pipe.loader(data, batch_size=8, num_workers=2)
+        for batch in loader:
+            assert torch.equal(batch["inputs_embeds"], weight[batch["input_ids"]])
+            time.sleep(0.01)  # a model's step: the reader reads ahead of the hand-offs
+        assert loader._defer["cold"][0] == 0 and pipe.stats()["filled_ahead"] > 0
+
+
 def test_training_stays_exact_when_the_misses_go_back_to_the_workers(tmp_path, monkeypatch):
     """Misses read by the owner, then handed back mid-epoch (forced at batch 20: when the reader
     falls behind depends on the machine's load): every row the model and the steps see is still

@@ -210,16 +210,17 @@ def ratios(run: dict[str, Any]) -> list[float]:
     return [r / d for r, d in zip(run.get("rates", []), run.get("qd16", []))]
 
 
-def batches_per_second(run: dict[str, Any], batches: int) -> list[float]:
-    """The loader's batches per second, pass by pass."""
-    return [batches / seconds for seconds in run.get("seconds", [])]
+def batches_per_second(run: dict[str, Any], batches: int | None) -> list[float]:
+    """The loader's batches per second, pass by pass (none for a result saved before the
+    section recorded its batches a pass)."""
+    return [batches / seconds for seconds in run.get("seconds", [])] if batches else []
 
 
 def against_lazy(result: dict[str, Any]) -> float | None:
     """The cached loader's median batches/s over lazy loading's (same disk, same batches; each
     a child of its own, one after the other)."""
     lazy, cache = (
-        batches_per_second(result["runs"][name], result.get("batches", 1))
+        batches_per_second(result["runs"][name], result.get("batches"))
         for name in ("lazy", "cache")
     )
     return float(np.median(cache) / np.median(lazy)) if lazy and cache else None
@@ -260,7 +261,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         if "error" in r:
             rows.append([label, "-", "-", r["error"], "-", "-", "-", md.mib(r["peak_bytes"])])
             continue
-        speed = batches_per_second(r, result.get("batches", 1))
+        speed = batches_per_second(r, result.get("batches"))
         rows.append(
             [
                 label,
@@ -268,7 +269,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
                 f"{np.median(r['qd16']):,.0f}",
                 f"{np.median(r['rates']):,.0f}",
                 md.ratio(md.quartiles(ratios(r))),
-                f"{np.median(speed):,.1f}",
+                f"{np.median(speed):,.1f}" if speed else "-",
                 "1.00x" if name == "lazy" else ("-" if vs_lazy is None else f"{vs_lazy:.2f}x"),
                 md.mib(r["peak_bytes"]),
             ]
