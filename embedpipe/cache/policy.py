@@ -36,7 +36,10 @@ the pool, so the victims' scores are those a partition of every slot would give 
 the bar are interchangeable), and so is which missed rows are admitted. When the pool has fewer
 victims than a plan needs, the next partition of every slot makes a new one: one every few
 hand-offs in a full cache, not one each. The writeback's cleaning ahead (``coldest_of``: the
-coldest dirty rows) takes them from the pool too, or partitions every slot when it cannot.
+coldest dirty rows) takes them from the pool too, or partitions every slot when it cannot. A
+slot is in the pool at most once and the kept slots are found by marks, not sorts (measured:
+an admission of 1,000 uniform ids into a full cache of 262,144 slots, LFU, 7.3 ms with a
+partition of every slot, 1.3 ms with a pool deduplicated by ``np.unique``, 0.6 ms with marks).
 
 NOTE [ The lookahead window ]. Without a window (an iterable dataset) it is LFU.
 - ``"auto"`` is lookahead: it read as many rows as Belady's optimum (within 2%) at every cache
@@ -149,7 +152,7 @@ class LFU(LRU):
     name = "lfu"
     row_bytes = 4  # uses
 
-    slot_bytes = LRU.slot_bytes + 8  # score
+    slot_bytes = LRU.slot_bytes + 8 + 2  # score; in the cold pool, marked (NOTE [ The cold pool ])
 
     def __init__(self, cache_rows: int, num_rows: int) -> None:
         super().__init__(cache_rows, num_rows)
@@ -165,6 +168,8 @@ class LFU(LRU):
         self._pool = np.empty(0, dtype=np.int64)
         self._joined: list[np.ndarray] = []
         self._bar = -np.inf
+        self._in_pool = np.zeros(cache_rows, dtype=bool)  # each slot at most once in the pool
+        self._mark = np.zeros(cache_rows, dtype=bool)  # a plan's kept slots, while it runs
 
     def attach(self, slot_of: np.ndarray, slot_id: np.ndarray) -> None:
         """The cache's index (id -> slot, slot -> id): the policy rescores a row's slot when the
@@ -222,10 +227,13 @@ class LFU(LRU):
         if len(slots) > len(self.score) // POOL_FACTOR:  # most slots (LFU's halving): start over
             self._bar = -np.inf
             self._pool, self._joined = self._pool[:0], []
+            self._in_pool[:] = False
             return
         low = slots[self.score[slots] <= self._bar]
-        if len(low):
-            self._joined.append(np.asarray(low, dtype=np.int64))
+        new = np.unique(low[~self._in_pool[low]]) if len(low) else low
+        if len(new):
+            self._in_pool[new] = True
+            self._joined.append(np.asarray(new, dtype=np.int64))
 
     def _coldest(
         self, wanted: int, keep: np.ndarray, slot_ids: np.ndarray
@@ -234,7 +242,7 @@ class LFU(LRU):
             return super()._coldest(wanted, keep, slot_ids)
         if self._bar != -np.inf:
             pool, score = self._compact()
-            usable = np.flatnonzero(~np.isin(pool, keep))
+            usable = np.flatnonzero(~self._kept(pool, keep))
             if len(usable) >= wanted:
                 return self._pick(pool[usable], score[usable], wanted)
         return self._new_pool(wanted, keep)
@@ -251,11 +259,19 @@ class LFU(LRU):
     def _compact(self) -> tuple[np.ndarray, np.ndarray]:
         """The pool's slots still at or below the bar (the others warmed up since and leave
         it), and their scores."""
-        pool = np.unique(np.concatenate([self._pool, *self._joined]))
+        pool = np.concatenate([self._pool, *self._joined])
         score = self.score[pool]
         low = score <= self._bar
+        self._in_pool[pool[~low]] = False
         self._pool, self._joined = pool[low], []
         return self._pool, score[low]
+
+    def _kept(self, pool: np.ndarray, keep: np.ndarray) -> np.ndarray:
+        """Per slot of ``pool``: whether it is in ``keep`` (marks, not a sort)."""
+        self._mark[keep] = True
+        kept = self._mark[pool]
+        self._mark[keep] = False
+        return kept
 
     def _new_pool(self, wanted: int, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Partition every slot: the victims of this plan, and a new pool (and bar)."""
@@ -265,6 +281,8 @@ class LFU(LRU):
         score = self.score[pool]
         finite = np.isfinite(score)
         self._pool, self._joined = pool[finite], []
+        self._in_pool[:] = False
+        self._in_pool[self._pool] = True
         self._bar = score[finite].max() if finite.any() else -np.inf
         if size == len(self.score):
             self._bar = -np.inf  # the whole cache: a pool would save nothing
@@ -272,7 +290,7 @@ class LFU(LRU):
         if size == len(self.score):
             score[keep] = np.inf  # (pool: every slot, in order)
         else:
-            score[np.isin(pool, keep)] = np.inf
+            score[self._kept(pool, keep)] = np.inf
         usable = np.flatnonzero(np.isfinite(score))
         if len(usable) >= wanted or size == len(self.score):
             return self._pick(pool[usable], score[usable], wanted)
