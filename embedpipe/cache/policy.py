@@ -230,10 +230,10 @@ class LFU(LRU):
             self._in_pool[:] = False
             return
         low = slots[self.score[slots] <= self._bar]
-        new = np.unique(low[~self._in_pool[low]]) if len(low) else low
+        new = np.unique(low[~self._in_pool[low]]).astype(np.int64) if len(low) else low
         if len(new):
-            self._in_pool[new] = True
-            self._joined.append(np.asarray(new, dtype=np.int64))
+            self._joined.append(new)  # then marked: an interrupt between leaves a duplicate,
+            self._in_pool[new] = True  # which a plan never frees twice (``_coldest``)
 
     def _coldest(
         self, wanted: int, keep: np.ndarray, slot_ids: np.ndarray
@@ -244,7 +244,9 @@ class LFU(LRU):
             pool, score = self._compact()
             usable = np.flatnonzero(~self._kept(pool, keep))
             if len(usable) >= wanted:
-                return self._pick(pool[usable], score[usable], wanted)
+                victims, scores = self._pick(pool[usable], score[usable], wanted)
+                if len(np.unique(victims)) == len(victims):  # (else interrupted: made again)
+                    return victims, scores
         return self._new_pool(wanted, keep)
 
     def coldest_of(self, wanted: int, allowed: np.ndarray, slot_ids: np.ndarray) -> np.ndarray:
@@ -252,7 +254,7 @@ class LFU(LRU):
             return super().coldest_of(wanted, allowed, slot_ids)
         pool, score = self._compact()
         ok = allowed[pool]
-        if ok.sum() < wanted:  # (every slot then; the pool is made again by the next plan)
+        if ok.sum() < wanted:  # (every slot, then; the pool stays for the plans)
             return super().coldest_of(wanted, allowed, slot_ids)
         return self._pick(pool[ok], score[ok], wanted)[0]
 
@@ -262,19 +264,22 @@ class LFU(LRU):
         pool = np.concatenate([self._pool, *self._joined])
         score = self.score[pool]
         low = score <= self._bar
-        self._in_pool[pool[~low]] = False
         self._pool, self._joined = pool[low], []
+        self._in_pool[pool[~low]] = False  # (an interrupt before: they rejoin at the next pool)
         return self._pool, score[low]
 
     def _kept(self, pool: np.ndarray, keep: np.ndarray) -> np.ndarray:
         """Per slot of ``pool``: whether it is in ``keep`` (marks, not a sort)."""
-        self._mark[keep] = True
-        kept = self._mark[pool]
-        self._mark[keep] = False
-        return kept
+        try:
+            self._mark[keep] = True
+            return self._mark[pool]
+        finally:
+            self._mark[keep] = False
 
     def _new_pool(self, wanted: int, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Partition every slot: the victims of this plan, and a new pool (and bar)."""
+        """Partition every slot: the victims of this plan, and a new pool (and bar, set last:
+        interrupted before, the next plan partitions every slot again)."""
+        self._bar = -np.inf
         size = min(len(self.score), POOL_FACTOR * (wanted + len(keep)))
         pool = np.argpartition(self.score, size - 1)[:size] if size < len(self.score) else None
         pool = np.arange(len(self.score)) if pool is None else pool
@@ -283,9 +288,8 @@ class LFU(LRU):
         self._pool, self._joined = pool[finite], []
         self._in_pool[:] = False
         self._in_pool[self._pool] = True
-        self._bar = score[finite].max() if finite.any() else -np.inf
-        if size == len(self.score):
-            self._bar = -np.inf  # the whole cache: a pool would save nothing
+        if size < len(self.score) and finite.any():  # (the whole cache: a pool saves nothing)
+            self._bar = score[finite].max()
         score = score.copy()
         if size == len(self.score):
             score[keep] = np.inf  # (pool: every slot, in order)

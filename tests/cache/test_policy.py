@@ -146,3 +146,22 @@ def test_the_cold_pool_frees_what_a_partition_of_every_slot_would(name, monkeypa
         assert allowed[got].all()
     assert len(plans) == len(batches) and sum(plans) > 2 * cache_rows  # full, and evicting
     assert len(pools) < len(plans) / 3, (len(pools), len(plans))
+
+
+def test_a_pool_left_half_updated_never_frees_a_slot_twice():
+    """NOTE [ The cold pool ]: an interrupt between the pool's two records (a hand-off may be
+    interrupted anywhere) can leave a slot in it twice; a plan then partitions every slot
+    again rather than free that slot for two rows."""
+    policy = LFU(80, 1000)
+    slot_of, slot_id = np.full(1000, -1), np.arange(80)
+    slot_of[:80] = slot_id
+    policy.attach(slot_of, slot_id)
+    for k in range(80):  # row i used i + 1 times: slot 0 is the coldest
+        policy.record(np.arange(k, 80), np.arange(k, 80))
+    none = np.empty(0, dtype=np.int64)
+    policy.plan(np.array([500]), none, slot_id)  # a pool of the coldest slots, and its bar
+    assert policy._bar > -np.inf and 0 in policy._pool
+    policy._joined.append(np.array([0]))  # as an interrupt would leave it: slot 0 twice
+    policy.uses[[500, 501]] = 50
+    chosen, freed = policy.plan(np.array([500, 501]), none, slot_id)
+    assert len(chosen) == 2 and sorted(freed) == [0, 1]
