@@ -449,9 +449,8 @@ def main(
     service = Service(path, address, shard)
 
     def stop(signum: int, frame: Any) -> None:
-        service.stopped.set()  # idle, the loop sees it; serving, it ends once the job does ...
-        if service.serving is not None:
-            raise KeyboardInterrupt  # ... or now (unless the raise lands in a finalizer)
+        service.stopped.set()  # the loop ends even where the raise is swallowed (a finalizer)
+        raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
