@@ -125,25 +125,26 @@ class LRU:
         first, and their scores: a partition of every slot."""
         score = self.slot_score(slot_ids)
         score[keep] = np.inf
-        n = min(wanted, int(np.isfinite(score).sum()))
-        victims = np.argpartition(score, n - 1)[:n] if 0 < n < len(score) else np.arange(n)
-        victims = victims[np.argsort(score[victims], kind="stable")]  # coldest first
-        return victims, score[victims]
+        usable = np.flatnonzero(np.isfinite(score))
+        return self._pick(usable, score[usable], wanted)
+
+    @staticmethod
+    def _pick(slots: np.ndarray, score: np.ndarray, wanted: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``wanted`` coldest of ``slots`` (all of them if fewer), coldest first."""
+        n = min(wanted, len(slots))
+        part = np.argpartition(score, n - 1)[:n] if 0 < n < len(slots) else np.arange(n)
+        part = part[np.argsort(score[part], kind="stable")]
+        return slots[part], score[part]
 
     def _choose(self, candidates: np.ndarray, victim_scores: np.ndarray) -> np.ndarray:
         return np.arange(len(victim_scores))  # LRU admits every miss that finds a slot
 
     def coldest_of(self, wanted: int, allowed: np.ndarray, slot_ids: np.ndarray) -> np.ndarray:
         """The ``wanted`` coldest slots where ``allowed`` (a mask over the slots; fewer if
-        fewer are allowed), in no particular order: the slots the next hand-offs free first."""
+        fewer are allowed), coldest first: the slots the next hand-offs free first."""
         score = self.slot_score(slot_ids)
-        score[~allowed] = np.inf
-        coldest = (
-            np.argpartition(score, wanted - 1)[:wanted]
-            if wanted < len(score)
-            else np.arange(len(score))
-        )
-        return coldest[np.isfinite(score[coldest])]
+        usable = np.flatnonzero(allowed & np.isfinite(score))
+        return self._pick(usable, score[usable], wanted)[0]
 
 
 class LFU(LRU):
@@ -164,7 +165,6 @@ class LFU(LRU):
         self._index: tuple[np.ndarray, np.ndarray] | None = None  # the cache's (slot_of, slot_id)
         #: NOTE [ The cold pool ]: slots, every one scored below the bar among them (and some
         #: scored above it since); slots that joined since the last plan; the bar (-inf: none).
-        self.pooled = True
         self._pool = np.empty(0, dtype=np.int64)
         self._joined: list[np.ndarray] = []
         self._bar = -np.inf
@@ -238,7 +238,7 @@ class LFU(LRU):
     def _coldest(
         self, wanted: int, keep: np.ndarray, slot_ids: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        if self._index is None or not self.pooled:
+        if self._index is None:  # (scores from scratch: no pool)
             return super()._coldest(wanted, keep, slot_ids)
         if self._bar != -np.inf:
             pool, score = self._compact()
@@ -250,7 +250,7 @@ class LFU(LRU):
         return self._new_pool(wanted, keep)
 
     def coldest_of(self, wanted: int, allowed: np.ndarray, slot_ids: np.ndarray) -> np.ndarray:
-        if self._index is None or not self.pooled or self._bar == -np.inf:
+        if self._index is None or self._bar == -np.inf:
             return super().coldest_of(wanted, allowed, slot_ids)
         pool, score = self._compact()
         ok = allowed[pool]
@@ -280,34 +280,22 @@ class LFU(LRU):
         """Partition every slot: the victims of this plan, and a new pool (and bar, set last:
         interrupted before, the next plan partitions every slot again)."""
         self._bar = -np.inf
-        size = min(len(self.score), POOL_FACTOR * (wanted + len(keep)))
-        pool = np.argpartition(self.score, size - 1)[:size] if size < len(self.score) else None
-        pool = np.arange(len(self.score)) if pool is None else pool
+        size = POOL_FACTOR * (wanted + len(keep))
+        if size >= len(self.score):  # the whole cache: a pool would save nothing
+            return super()._coldest(wanted, keep, self._index[1])
+        pool = np.argpartition(self.score, size - 1)[:size]
         score = self.score[pool]
         finite = np.isfinite(score)
         self._pool, self._joined = pool[finite], []
         self._in_pool[:] = False
         self._in_pool[self._pool] = True
-        if size < len(self.score) and finite.any():  # (the whole cache: a pool saves nothing)
+        if finite.any():
             self._bar = score[finite].max()
-        score = score.copy()
-        if size == len(self.score):
-            score[keep] = np.inf  # (pool: every slot, in order)
-        else:
-            score[self._kept(pool, keep)] = np.inf
-        usable = np.flatnonzero(np.isfinite(score))
-        if len(usable) >= wanted or size == len(self.score):
+        usable = np.flatnonzero(finite & ~self._kept(pool, keep))
+        if len(usable) >= wanted:
             return self._pick(pool[usable], score[usable], wanted)
         self._bar = -np.inf  # more kept slots than the pool holds: every slot, this time
         return super()._coldest(wanted, keep, self._index[1])
-
-    @staticmethod
-    def _pick(slots: np.ndarray, score: np.ndarray, wanted: int) -> tuple[np.ndarray, np.ndarray]:
-        """The ``wanted`` coldest of ``slots`` (all of them if fewer), coldest first."""
-        n = min(wanted, len(slots))
-        part = np.argpartition(score, n - 1)[:n] if 0 < n < len(slots) else np.arange(n)
-        part = part[np.argsort(score[part], kind="stable")]
-        return slots[part], score[part]
 
     def _choose(self, candidates: np.ndarray, victim_scores: np.ndarray) -> np.ndarray:
         # Pair the most valued candidates with the coldest victims; admit while the candidate wins.

@@ -434,10 +434,10 @@ class Stream:
             todo = ~found
             if todo.any():
                 reader = self._reader()
-                waited = getattr(reader, "rows_waited", 0)
+                waited = reader.rows_waited
                 rows[todo] = reader.read(missing[todo])
-                tells = getattr(reader, "_nowait", False)  # (else every row counts as waited)
-                if tells and reader.rows_waited - waited >= COLD_SHARE * todo.sum():
+                from_disk = reader.rows_waited - waited
+                if reader.tells_page_cache and from_disk >= COLD_SHARE * todo.sum():
                     with self.owner.lock:  # most came from the disk: the next epochs too
                         self._hand_back(cold=True)
             with self.owner.lock:

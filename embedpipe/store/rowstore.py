@@ -98,6 +98,10 @@ class ZarrRows:
     is damage, not a chunk that was never written; it raises :class:`CorruptTableError`.
     """
 
+    #: Rows a read found outside the page cache, and whether reads can tell (``RawRows``).
+    rows_waited = 0
+    tells_page_cache = False
+
     def __init__(self, array: zarr.Array, *, complete: bool = True) -> None:
         self.array = array
         self.num_rows, self.dim = array.shape
@@ -213,6 +217,12 @@ class RawRows(ZarrRows):
         self.rows_waited = 0
         #: The chunk files mapped for writing, where the owner process writes (``map_writes``).
         self.mapped: MappedChunks | None = None
+
+    @property
+    def tells_page_cache(self) -> bool:  # type: ignore[override]
+        """Whether :attr:`rows_waited` counts rows the page cache lacked (with ``RWF_NOWAIT``),
+        not every row (without it, every row takes the blocking pass)."""
+        return self._nowait
 
     def map_writes(self, limit: int) -> None:
         """Write rows through mappings of their chunk files, at most ``limit`` bytes mapped
