@@ -49,6 +49,7 @@ from transformers import BertConfig, BertForSequenceClassification
 
 import embedpipe
 import embedpipe.hf
+from embedpipe.pipe.handle import OWNERS
 from embedpipe.tools.benchmark.options import integer
 
 PAD, CLS = 0, 1  # ids 0 and 1 are [PAD] and [CLS]; words are ids 2 .. vocab-1
@@ -174,6 +175,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pipe.add_argument(
         "--num-workers", type=integer(0), default=2, help="DataLoader worker processes (default: 2)"
     )
+    pipe.add_argument(
+        "--owner",
+        choices=OWNERS,
+        default="thread",
+        help="where the table's owner runs: a thread of the training process or a process of its "
+        "own (default: thread; docs/service.md)",
+    )
+    pipe.add_argument(
+        "--max-staleness",
+        type=integer(1),
+        help="bounded consistency: a batch may miss the last K steps' updates of its rows and "
+        "waits for none of them (default: exact, a batch's rows are final; docs/consistency.md)",
+    )
 
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else DEFAULTS).items():
@@ -295,6 +309,7 @@ class Result:
     eval_loss: float = float("nan")
     eval_acc: float = float("nan")
     peak_bytes: int | None = None
+    rates: list[float] = field(default_factory=list)  # samples/s of each progress interval
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -351,6 +366,7 @@ def train(
             line += f"  cache hit rate {interval[0] / max(1, sum(interval)):.3f}"
             counts = (hits, misses)
         print(line, flush=True)
+        result.rates.append(seen / (now - tick))
         if math.isnan(result.first_loss):
             result.first_loss = loss
         result.last_loss = loss
@@ -429,7 +445,12 @@ def run_offloaded(args: argparse.Namespace, data: Dataset, held_out: Dataset, pa
     table = embedpipe.hf.offload(model, path)
     model.to(args.device)
     pipe = embedpipe.EmbeddingPipe(
-        table, cache_rows=args.cache_rows, optimizer=table_optimizer(args)
+        table,
+        cache_rows=args.cache_rows,
+        optimizer=table_optimizer(args),
+        owner=args.owner,
+        consistency="exact" if args.max_staleness is None else "bounded",
+        max_staleness=args.max_staleness,
     )
     # Built after the pipe: model.parameters() then holds the table's gradient (pipe.parameter,
     # attached in the embedding's place), and AdamW's step() steps the table with the sparse
@@ -509,10 +530,17 @@ def mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def steady_rate(result: Result) -> float:
+    """The median samples/s of the progress intervals after the first (which holds the start:
+    the workers' first batches, the device's first kernels)."""
+    return float(np.median(result.rates[1:] or result.rates))
+
+
 def summary(result: Result) -> str:
     line = (
         f"[{result.name}] done: {result.samples:,} samples in {result.seconds:.1f} s, "
-        f"{result.samples / result.seconds:,.1f} samples/s, {result.tokens / result.seconds:,.0f} tokens/s; "
+        f"{result.samples / result.seconds:,.1f} samples/s ({steady_rate(result):,.1f} the median "
+        f"interval after the first), {result.tokens / result.seconds:,.0f} tokens/s; "
         f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
     )
     if not math.isnan(result.eval_loss):
@@ -548,7 +576,9 @@ def report(args: argparse.Namespace, offloaded: Result, baseline: Result | None,
         with embedpipe.Table.open(path) as table:
             diff = (table.to_tensor() - baseline.extra["weight"]).abs().max().item()
         print(
-            f"embedpipe vs baseline: {offloaded.seconds / baseline.seconds:.2f}x the time, "
+            f"embedpipe vs baseline: {offloaded.seconds / baseline.seconds:.2f}x the time "
+            f"({steady_rate(offloaded) / steady_rate(baseline):.2f}x the samples/s after the "
+            "first interval), "
             f"final loss {offloaded.last_loss:.4f} vs {baseline.last_loss:.4f}, trained tables "
             + ("bitwise equal" if diff == 0 else f"differ by at most {diff:.2g}")
         )
@@ -573,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{params:,} parameters, {embedding_params / params:.0%} in the word embeddings; "
         f"{args.steps} steps of {args.batch_size} x {args.seq_len} tokens on {args.device}"
         f"{' (bf16 autocast)' if args.bf16 else ''}, {args.num_workers} workers, "
-        f"cache {args.cache_rows:,} rows, {args.optimizer} lr {args.lr:g}",
+        f"cache {args.cache_rows:,} rows, {args.optimizer} lr {args.lr:g}, owner {args.owner}",
         flush=True,
     )
     with contextlib.ExitStack() as stack:

@@ -70,12 +70,14 @@ def _dense_optimizer(model):
     return torch.optim.SGD(params, lr=0.05)
 
 
-def train_reference(data, optimizer: str, lr: float, batch_size: int = 8, accumulate: int = 1):
+def train_reference(
+    data, optimizer: str, lr: float, batch_size: int = 8, accumulate: int = 1, device: str = "cpu"
+):
     """The baseline: nn.Embedding in the model, trained by the matching torch optimizer.
 
-    Returns the trained table, the model and the torch optimizer's state for the table.
+    Returns the trained table (on the CPU), the model and the torch optimizer's state for the table.
     """
-    model = tiny_model()
+    model = tiny_model().to(device)
     emb = model.bert.embeddings.word_embeddings
     if optimizer == "adam":  # SparseAdam needs sparse gradients
         emb.sparse = True
@@ -83,6 +85,7 @@ def train_reference(data, optimizer: str, lr: float, batch_size: int = 8, accumu
     dense = _dense_optimizer(model)
     for i, start in enumerate(range(0, len(data), batch_size)):
         batch = torch.utils.data.default_collate(data[start : start + batch_size])
+        batch = {k: v.to(device) for k, v in batch.items()}
         out = model(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
@@ -94,7 +97,7 @@ def train_reference(data, optimizer: str, lr: float, batch_size: int = 8, accumu
             dense.zero_grad()
             emb_opt.step()
             emb_opt.zero_grad()
-    return emb.weight.detach().clone(), model, emb_opt.state[emb.weight]
+    return emb.weight.detach().cpu().clone(), model, emb_opt.state[emb.weight]
 
 
 def train_offloaded(
@@ -108,15 +111,17 @@ def train_offloaded(
     num_workers: int = 0,
     accumulate: int = 1,
     make_table: bool = True,
+    device: str = "cpu",
     **options,
 ):
     """The same training with the table in ``path`` behind an EmbeddingPipe. The table steps
     by ``pipe.step()`` when the dense optimizer does (every ``accumulate`` batches).
 
     ``options`` go to the loader (DataLoader keywords) or the pipe (``consistency``...).
-    ``make_table=False``: the table is there already (``initial_table``).
+    ``make_table=False``: the table is there already (``initial_table``). ``device``: the model's,
+    where each batch moves (``batch.to(device)``).
     """
-    model = tiny_model()
+    model = tiny_model().to(device)
     if make_table:
         initial_table(path)
     pipe_keys = {
@@ -134,6 +139,8 @@ def train_offloaded(
     with EmbeddingPipe(path, cache_rows=cache_rows, optimizer=opt, **pipe_options) as pipe:
         loader = pipe.loader(data, batch_size=batch_size, num_workers=num_workers, **loader_options)
         for i, batch in enumerate(loader):
+            if device != "cpu":
+                batch = batch.to(device, non_blocking=True)
             out = model(
                 inputs_embeds=batch["inputs_embeds"],
                 attention_mask=batch["attention_mask"],
