@@ -35,6 +35,7 @@ TINY = [
     "--accel-batches", "2",
     "--accel-repeats", "1",
     "--accel-ms", "1",
+    "--accel-hold", "0.5",
     "--tok-batches", "2",
     "--tok-repeats", "1",
 ]  # fmt: skip
@@ -107,6 +108,8 @@ def test_every_section_and_target(tmp_path, capsys, words):
     tokenized = result["sections"]["tokenized"]
     assert [r["name"][:3] for r in tokenized["rows"]] == ["(a)", "(d)", "(a)", "(d)"]
     assert all(r["batches_per_s"] > 0 for r in tokenized["rows"])
+    assert result["sections"]["accelerator"]["hold"] == 0.5
+    assert "50% of it holding the GIL" in text
     for heading in (*headings, "### Hand-off", "Total time"):
         assert heading in text
 

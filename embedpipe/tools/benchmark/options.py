@@ -42,6 +42,17 @@ def fraction(text: str) -> float:
     return value
 
 
+def share(text: str) -> float:
+    """An argparse type: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
+    return value
+
+
 def apply_quick(args: argparse.Namespace, sections: list[ModuleType]) -> None:
     """Cap each section's options at its ``QUICK`` values (``--quick``)."""
     for section in sections:
