@@ -64,7 +64,7 @@ PIPE_OPTIMIZERS = {
 }
 
 
-def _dense_optimizer(model):
+def dense_optimizer(model):
     """SGD on everything but the word embeddings (and an offloaded table's gradient parameter)."""
     params = [p for n, p in model.named_parameters() if "word_embeddings" not in n]
     return torch.optim.SGD(params, lr=0.05)
@@ -82,7 +82,7 @@ def train_reference(
     if optimizer == "adam":  # SparseAdam needs sparse gradients
         emb.sparse = True
     emb_opt = REFERENCE_OPTIMIZERS[optimizer]([emb.weight], lr)
-    dense = _dense_optimizer(model)
+    dense = dense_optimizer(model)
     for i, start in enumerate(range(0, len(data), batch_size)):
         batch = torch.utils.data.default_collate(data[start : start + batch_size])
         batch = {k: v.to(device) for k, v in batch.items()}
@@ -134,7 +134,7 @@ def train_offloaded(
     }
     pipe_options = {k: v for k, v in options.items() if k in pipe_keys}
     loader_options = {k: v for k, v in options.items() if k not in pipe_keys}
-    dense = _dense_optimizer(model)
+    dense = dense_optimizer(model)
     opt = PIPE_OPTIMIZERS[optimizer](lr) if optimizer else None
     with EmbeddingPipe(path, cache_rows=cache_rows, optimizer=opt, **pipe_options) as pipe:
         loader = pipe.loader(data, batch_size=batch_size, num_workers=num_workers, **loader_options)

@@ -6,12 +6,14 @@ ratios): only that every section ran, every target has a row, and the report say
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 
 import pytest
 
 from embedpipe.tools import benchmark
-from embedpipe.tools.benchmark import distributed
+from embedpipe.tools.benchmark import distributed, options
 
 TINY = [
     "--quick",
@@ -194,3 +196,17 @@ def test_distributed_summary():
     assert q["writeback_rows_per_s"] == pytest.approx(50 / 0.1)
     assert q["sent_bytes"] == q["received_bytes"] == 16 * 16  # 2 (N - 1) / N x V x D x 4
     assert out["ranks"][0]["vs_replicated"][1] == pytest.approx(0.55)
+
+
+@pytest.mark.parametrize(
+    "parse, text, value",
+    [("fraction", "1", 1.0), ("fraction", "0", None), ("fraction", "nan", None),
+     ("share", "0", 0.0), ("share", "0.8", 0.8), ("share", "1.5", None), ("share", "inf", None),
+     ("share", "-0.1", None)],
+)  # fmt: skip
+def test_unit_interval_options_name_their_range(parse, text, value):
+    if value is None:
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(text)):
+            getattr(options, parse)(text)
+    else:
+        assert getattr(options, parse)(text) == value

@@ -31,26 +31,26 @@ def integer(low: int) -> Callable[[str], int]:
     return parse
 
 
-def fraction(text: str) -> float:
-    """An argparse type: a number in (0, 1]."""
+def _unit(text: str, zero: bool) -> float:
+    """``text`` as a number in [0, 1] (``zero``) or (0, 1]; else an argparse error."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text!r}")
+    if not (0 <= value <= 1 and (zero or value > 0)):
+        where = "[0, 1]" if zero else "(0, 1]"
+        raise argparse.ArgumentTypeError(f"must be a number in {where}, got {text!r}")
     return value
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    return _unit(text, zero=False)
 
 
 def share(text: str) -> float:
     """An argparse type: a number in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
-    return value
+    return _unit(text, zero=True)
 
 
 def apply_quick(args: argparse.Namespace, sections: list[ModuleType]) -> None:
