@@ -25,6 +25,8 @@ from .conftest import tiny_bert_config
 
 VOCAB = 1000
 SEQ = 16
+#: The parity runs' pipe: a 5% cache, 2 workers each 4 batches ahead.
+PARITY = dict(cache_rows=VOCAB // 20, num_workers=2, prefetch_factor=4)
 
 
 def zipf_dataset(n: int, seed: int = 0, vocab: int = VOCAB, padded: bool = False) -> list[dict]:

@@ -20,8 +20,8 @@ import embedpipe
 from embedpipe.pipe import EmbeddingPipe
 
 from ..helpers import (
+    PARITY,
     REFERENCE_OPTIMIZERS,
-    VOCAB,
     dense_optimizer,
     same_dense_params,
     tiny_model,
@@ -89,9 +89,7 @@ def test_training_on_cuda_equals_nn_embedding_on_cuda_stepped_on_the_cpu(tmp_pat
         optimizer,
         lr=0.5,
         path=tmp_path / "t.zarr",
-        cache_rows=VOCAB // 20,
-        num_workers=2,
-        prefetch_factor=4,
+        **PARITY,
         pin_memory=True,
         device="cuda",
     )

@@ -12,6 +12,7 @@ import embedpipe
 from embedpipe.pipe import EmbeddingPipe
 
 from ..helpers import (
+    PARITY,
     VOCAB,
     same_dense_params,
     tiny_model,
@@ -55,9 +56,7 @@ def test_training_equals_nn_embedding_bit_for_bit(tmp_path, data, optimizer):
         optimizer,
         lr=0.5,
         path=tmp_path / "t.zarr",
-        cache_rows=VOCAB // 20,
-        num_workers=2,
-        prefetch_factor=4,
+        **PARITY,
     )
     assert stats["steps"] == STEPS and stats["evictions"] > 0 and stats["refreshed"] > 0
     assert stats["cleaned_ahead"] > 0  # dirty rows written back ahead of their eviction
@@ -73,9 +72,7 @@ def test_adam_equals_sparse_adam_within_tolerance(tmp_path, data):
         "adam",
         lr=0.1,
         path=tmp_path / "t.zarr",
-        cache_rows=VOCAB // 20,
-        num_workers=2,
-        prefetch_factor=4,
+        **PARITY,
     )
     # SparseAdam sums repeated ids in coalesce()'s order, embedpipe in occurrence order: rounding only.
     torch.testing.assert_close(table, reference, rtol=1e-5, atol=1e-5)
