@@ -54,6 +54,7 @@ import torch
 #: (batch number, number of ids) before each batch's ids; a number of -1 ends the stream.
 _HEADER = struct.Struct("<qq")
 _END = -1
+_FAILED = -2  # then the child's exception, in a line of UTF-8
 _PR_SET_PDEATHSIG = 1
 
 
@@ -102,6 +103,8 @@ class IdsReader:
         self.pid: int | None = pid
         self._credits: int | None = credits_write
         self._ids = ids_read
+        #: Why the child stopped, if it failed (its exception in a line), once received.
+        self.failure: str | None = None
 
     @classmethod
     def adopt(cls, ids: int, credits: int) -> IdsReader:
@@ -109,6 +112,7 @@ class IdsReader:
         process, given a training process's :meth:`hand_over`): no child to end here."""
         reader = cls.__new__(cls)
         reader.pid, reader._credits, reader._ids = None, credits, ids
+        reader.failure = None
         return reader
 
     def hand_over(self) -> tuple[int, int]:
@@ -129,7 +133,8 @@ class IdsReader:
                 os.write(fd, b"\0" * batches)
 
     def receive(self) -> tuple[int, np.ndarray] | None:
-        """The next batch's (number, ids), blocking; None when the child has no more."""
+        """The next batch's (number, ids), blocking; None when the child has no more (and
+        :attr:`failure` says why, if it failed)."""
         if self._ids < 0:
             return None
         header = _read_exactly(self._ids, _HEADER.size)
@@ -137,6 +142,10 @@ class IdsReader:
             return None
         number, count = _HEADER.unpack(header)
         if number == _END:
+            return None
+        if number == _FAILED:
+            text = _read_exactly(self._ids, count)
+            self.failure = "(unreadable)" if text is None else text.decode(errors="replace")
             return None
         payload = _read_exactly(self._ids, count * 8)
         if payload is None:
@@ -215,10 +224,10 @@ def _own_descriptors(keep: tuple[int, ...]) -> None:
     one that reads a socket or pipe would take the parent's data. So each regular file is
     reopened as a description of the child's own at the same offset, and every other
     descriptor (sockets, pipes, terminals, folders: a folder's lock would outlive the parent's
-    release of it) but ``keep`` becomes /dev/null: a dataset that
-    reads them fails here, which only ends the foresight. Nothing stays writable: a file opened
-    for writing only (a log) becomes /dev/null, one opened for reading and writing is reopened
-    read-only, and stdin, stdout and stderr are /dev/null."""
+    release of it) but ``keep`` becomes /dev/null: a dataset that reads them fails here, which
+    ends the foresight (``_serve`` sends the error, and the pipe warns with it). Nothing stays
+    writable: a file opened for writing only (a log) becomes /dev/null, one opened for reading
+    and writing is reopened read-only, and stdin, stdout and stderr are /dev/null."""
     null = os.open(os.devnull, os.O_RDWR)
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
@@ -255,8 +264,10 @@ def _serve(
             ids = np.ascontiguousarray(ids_of(indices), dtype=np.int64)
             _write_all(out, _HEADER.pack(number, len(ids)) + ids.tobytes())
             number += 1
-    except Exception:  # a bad sample: its worker reports it, loudly; foresight just ends here
-        pass
+    except Exception as e:  # a bad sample, or a dataset that cannot run in a fork: say which
+        text = f"{type(e).__name__}: {e}".splitlines()[0][:300].encode()
+        with contextlib.suppress(OSError):
+            _write_all(out, _HEADER.pack(_FAILED, len(text)) + text)
     with contextlib.suppress(OSError):
         _write_all(out, _HEADER.pack(_END, 0))
 

@@ -202,7 +202,7 @@ class Stream:
         self.filling: int | None = None  # the dispatched batch whose misses are being read
         self.first_received = self.last_received = -1  # the child's first batch, its latest
         self.first_foreseen: int | None = None  # ... and of the first it sent in time
-        self.ended = False  # the child sent its last batch (or failed)
+        self.ended, self.failure = False, None  # the child sent its last batch; its error
         #: per claim judged (from the first batch foreseen in time): it matched a foreseen one
         self.matched: deque[bool] = deque(maxlen=JUDGED_BATCHES)
         self.blind = False  # ``auto`` gave up: foresight kept missing
@@ -279,7 +279,7 @@ class Stream:
                 del self.buffers[done]  # batches that were never handed off
             self.claimed = max(self.claimed, number)
             self._keep_up(self.ready is not None, began, waited)
-            self.blind = self._gives_up()
+            self.blind = self.failure is not None or self._gives_up()
         with self.wake:
             self.wake.notify_all()
 
@@ -373,7 +373,7 @@ class Stream:
         while True:
             got = self.ids.receive()
             if got is None:
-                self.ended = True
+                self.ended, self.failure = True, self.ids.failure
                 return
             number, ids = got
             with self.owner.lock:

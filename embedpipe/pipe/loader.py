@@ -68,9 +68,13 @@ class PipeSource:
             stream.claim(item.unique_ids)
             if stream.blind:
                 self.owner.look_blind(
-                    "the ids of most of the last batches differed from those a second read of "
-                    "the dataset gave for the same indices (a dataset that draws at random), or "
-                    "reading them ahead could not keep up with the loader"
+                    "the process that reads the batches' ids ahead (a fork of the training "
+                    f"process) failed: {stream.failure}; a dataset that cannot run in a forked "
+                    "child (one holding a CUDA context, a socket or a pipe) fails there"
+                    if stream.failure
+                    else "the ids of most of the last batches differed from those a second read "
+                    "of the dataset gave for the same indices (a dataset that draws at random), "
+                    "or reading them ahead could not keep up with the loader"
                 )
         return self.owner.claim(item, self.ring, self.pin or (pin and torch.cuda.is_available()))
 
@@ -143,6 +147,7 @@ class PipeLoader(DataLoader):
         self.ids_key = ids_key
         if (
             owner.looks_ahead
+            and not isinstance(dataset, IterableDataset)  # its "indices" are no order to read
             and type(self.batch_sampler) is BatchSampler  # the default: batch_size=, shuffle=
             and getattr(self, "in_order", True)
         ):

@@ -235,6 +235,7 @@ class RemoteOwner:
         )
         if blind and stream is not None:
             stream.blind = True  # the loader says why, and stops looking ahead
+            stream.failure = blind if isinstance(blind, str) else None  # the child's error
         transfer.replied(step, generation)
         fresh = got[-1]  # sent, or copied out of the transfer block by _request
         if every:  # every row, read by the owner

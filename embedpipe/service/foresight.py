@@ -42,6 +42,7 @@ class RemoteStream:
         self.reader = reader  # the child, ended at stop()
         self.order = order
         self.blind = False  # ``auto`` gave up, as the owner process said at a claim
+        self.failure: str | None = None  # the child's error, if it failed (the same)
         self.claiming = False  # the next claim is of one of this stream's batches
         self.stopped = False
         order.on_draw = self._drawn

@@ -249,7 +249,7 @@ class Server:
         stream = owner.stream
         if m["foreseen"] and stream is not None:  # a batch of the loader whose order it sees
             stream.claim(unique_ids)
-        blind = m["foreseen"] and stream is not None and stream.blind
+        blind = m["foreseen"] and stream is not None and stream.blind and (stream.failure or True)
         deferred = arrays[2] if len(arrays) > 2 else None
         item = LookedUp({}, unique_ids, unique_ids, m["slot"], m["tag"], None, m["lookup_step"],
                         m["hits"], m["misses"], deferred)  # fmt: skip

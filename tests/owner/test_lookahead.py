@@ -3,6 +3,7 @@ Belady's optimum, rows that handed-out and in-flight batches need, and exact tra
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -363,6 +364,53 @@ def test_auto_stops_looking_ahead_when_foresight_keeps_missing(tmp_path, owner):
             assert pipe._owner.stream is None
             if n == 3:
                 break
+
+
+def test_an_iterable_dataset_gets_no_foresight(tmp_path):
+    # Before, its loader's default batch sampler got a Foresight whose child read dataset[None]
+    # and ended at the first batch, without a word.
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return ({"input_ids": torch.tensor([i % 97])} for i in range(64))
+
+    embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100) as pipe:
+        for batch in pipe.loader(Stream(), batch_size=8):
+            batch["inputs_embeds"]
+            assert pipe._owner.stream is None
+        assert not pipe._owner.blind
+
+
+class FailsInAFork(torch.utils.data.Dataset):
+    """Ids below 97; in any process but the one that made it (the foresight child) a sample
+    raises, as a dataset that holds a CUDA context does in a forked child."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+
+    def __len__(self) -> int:
+        return 400
+
+    def __getitem__(self, i: int) -> dict:
+        if os.getpid() != self.pid:
+            raise RuntimeError("Cannot re-initialize CUDA in forked subprocess")
+        return {"input_ids": torch.tensor([i % 97, (7 * i) % 97])}
+
+
+@pytest.mark.parametrize("owner", ["thread", "process"])
+def test_a_foresight_child_that_fails_is_named_in_the_warning(tmp_path, owner):
+    # Before, the child ended its foresight without a word: the policy ran with no window and
+    # said nothing, or said later that foresight could not keep up.
+    embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100, owner=owner) as pipe:
+        message = "failed: RuntimeError: Cannot re-initialize CUDA in forked subprocess"
+        with pytest.warns(RuntimeWarning, match=message):
+            for n, batch in enumerate(pipe.loader(FailsInAFork(), batch_size=8)):
+                assert batch["inputs_embeds"].shape == (8, 2, 4)  # the loop is unaffected
+                time.sleep(0.01)  # the child's error arrives meanwhile
+                if n == 40:
+                    break
+        assert pipe._owner.blind
 
 
 def test_the_foresight_child_ends_with_its_epoch(tmp_path):
