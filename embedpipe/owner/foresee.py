@@ -54,7 +54,13 @@ import torch
 #: (batch number, number of ids) before each batch's ids; a number of -1 ends the stream.
 _HEADER = struct.Struct("<qq")
 _END = -1
-_FAILED = -2  # then the child's exception, in a line of UTF-8
+_FAILED = -2  # then why the child stopped, in a line of UTF-8 (``_why``)
+
+
+class NoIds(Exception):
+    """The samples carry no ids (the loader's ``collate_fn`` makes them): nothing to foresee."""
+
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -138,17 +144,16 @@ class IdsReader:
         if self._ids < 0:
             return None
         header = _read_exactly(self._ids, _HEADER.size)
-        if header is None:
-            return None
-        number, count = _HEADER.unpack(header)
+        number, count = _HEADER.unpack(header) if header is not None else (None, 0)
         if number == _END:
             return None
         if number == _FAILED:
             text = _read_exactly(self._ids, count)
             self.failure = "(unreadable)" if text is None else text.decode(errors="replace")
             return None
-        payload = _read_exactly(self._ids, count * 8)
-        if payload is None:
+        payload = _read_exactly(self._ids, count * 8) if number is not None else None
+        if payload is None:  # no end marker: the child was killed or crashed, or is stopped
+            self.failure = _why(None)
             return None
         return number, np.frombuffer(payload, dtype=np.int64)
 
@@ -189,8 +194,8 @@ class BatchIds:
         samples = getitems(indices) if getitems is not None else [self.dataset[i] for i in indices]
         parts = []
         for sample in samples:
-            if not isinstance(sample, Mapping):
-                raise TypeError("samples without ids")
+            if not isinstance(sample, Mapping) or self.ids_key not in sample:
+                raise NoIds(self.ids_key)
             parts.append(np.asarray(sample[self.ids_key]).reshape(-1))
         if self.padding is not None:
             parts.append(np.array([self.padding]))
@@ -265,11 +270,33 @@ def _serve(
             _write_all(out, _HEADER.pack(number, len(ids)) + ids.tobytes())
             number += 1
     except Exception as e:  # a bad sample, or a dataset that cannot run in a fork: say which
-        text = f"{type(e).__name__}: {e}".splitlines()[0][:300].encode()
+        text = _why(e).encode(errors="replace")
         with contextlib.suppress(OSError):
             _write_all(out, _HEADER.pack(_FAILED, len(text)) + text)
     with contextlib.suppress(OSError):
         _write_all(out, _HEADER.pack(_END, 0))
+
+
+def _why(error: BaseException | None) -> str:
+    """Why foresight stopped, for the pipe's warning: ``error`` raised in the child, or None for
+    a child that ended without a word."""
+    if isinstance(error, NoIds):
+        return (
+            f"the samples carry no {error.args[0]!r} before the loader's collate_fn makes it, so "
+            "the ids of the batches ahead cannot be read"
+        )
+    if error is None:
+        told = "ended without a word (killed, or it crashed)"
+    else:
+        try:
+            told = f"failed: {type(error).__name__}: {error}".splitlines()[0][:300]
+        except Exception:  # an exception whose str() raises
+            told = f"failed: {type(error).__name__}"
+    return (
+        f"the process that reads the batches' ids ahead (a fork of the training process) {told}; "
+        "a dataset that cannot run in a forked child (one holding a CUDA context, a socket or "
+        "a pipe) fails there"
+    )
 
 
 def _wait_for_credit(credits: int, parent: int) -> bool:

@@ -12,9 +12,9 @@ unique ids to the policy's window (``policy.py``, NOTE [ The lookahead window ])
 
 Foresight may be wrong (a dataset or sampler that draws at random): a claimed batch is matched
 to the batches in flight by its ids, and each claim releases at least one of them, so wrong
-foresight pins no row for longer than its batch is in flight and grows no list. With
-``policy="auto"``, when most of the last :data:`JUDGED_BATCHES` claims matched nothing foreseen,
-the pipe stops looking ahead (LFU from then on) and says so once.
+foresight pins no row for longer than its batch is in flight and grows no list. With ``auto``,
+when most of the last :data:`JUDGED_BATCHES` claims matched nothing foreseen, and with any policy
+when the child fails, the pipe stops looking ahead (LFU from then on) and says why, once.
 
 One stream owns the window at a time: the first loader iterated. Another loader iterated while it
 runs (an evaluation loop in the middle of an epoch) has no lookahead; its batches are handed off
@@ -205,7 +205,7 @@ class Stream:
         self.ended, self.failure = False, None  # the child sent its last batch; its error
         #: per claim judged (from the first batch foreseen in time): it matched a foreseen one
         self.matched: deque[bool] = deque(maxlen=JUDGED_BATCHES)
-        self.blind = False  # ``auto`` gave up: foresight kept missing
+        self.blind = False  # foresight kept missing (``auto``), or the child failed
         self.defer = defer
         #: per hand-off: its misses were read, when it began, how long it waited for the reader
         self._ready: deque[tuple[bool, float, float]] = deque(maxlen=KEEP_UP_BATCHES)

@@ -68,11 +68,8 @@ class PipeSource:
             stream.claim(item.unique_ids)
             if stream.blind:
                 self.owner.look_blind(
-                    "the process that reads the batches' ids ahead (a fork of the training "
-                    f"process) failed: {stream.failure}; a dataset that cannot run in a forked "
-                    "child (one holding a CUDA context, a socket or a pipe) fails there"
-                    if stream.failure
-                    else "the ids of most of the last batches differed from those a second read "
+                    stream.failure  # why its child stopped (``foresee._why``), if it did
+                    or "the ids of most of the last batches differed from those a second read "
                     "of the dataset gave for the same indices (a dataset that draws at random), "
                     "or reading them ahead could not keep up with the loader"
                 )

@@ -14,8 +14,9 @@ without side effects ] in ``foresee.py``). So the work splits where the data is:
   of each claimed batch to the batches in flight;
 - each batch the DataLoader draws is told to the owner process (``drawn``, no reply), ahead of
   that batch's claim on the same connection, as the thread's ``Ahead.on_draw`` tells its stream;
-  a claim of the stream's loader says so (``foreseen``), and its reply says whether ``auto``
-  gave up (then the training process stops looking ahead and says so once, as a thread does).
+  a claim of the stream's loader says so (``foreseen``), and its reply says whether the stream
+  gave up, and why if its child failed (then the training process stops looking ahead and says
+  so once, as a thread does).
 
 The stream ends with its epoch (``end_stream``): the owner process stops it and closes its
 copies of the pipes, and the training process ends and reaps the child.
@@ -41,7 +42,7 @@ class RemoteStream:
         self.number = number  # how the owner process knows that loader
         self.reader = reader  # the child, ended at stop()
         self.order = order
-        self.blind = False  # ``auto`` gave up, as the owner process said at a claim
+        self.blind = False  # the stream gave up, as the owner process said at a claim
         self.failure: str | None = None  # the child's error, if it failed (the same)
         self.claiming = False  # the next claim is of one of this stream's batches
         self.stopped = False

@@ -4,6 +4,7 @@ Belady's optimum, rows that handed-out and in-flight batches need, and exact tra
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import numpy as np
@@ -366,7 +367,8 @@ def test_auto_stops_looking_ahead_when_foresight_keeps_missing(tmp_path, owner):
                 break
 
 
-def test_an_iterable_dataset_gets_no_foresight(tmp_path):
+@pytest.mark.parametrize("owner", ["thread", "process"])
+def test_an_iterable_dataset_gets_no_foresight(tmp_path, owner):
     # Before, its loader's default batch sampler got a Foresight whose child read dataset[None]
     # and ended at the first batch, without a word.
     class Stream(torch.utils.data.IterableDataset):
@@ -374,42 +376,59 @@ def test_an_iterable_dataset_gets_no_foresight(tmp_path):
             return ({"input_ids": torch.tensor([i % 97])} for i in range(64))
 
     embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
-    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100) as pipe:
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100, owner=owner) as pipe:
         for batch in pipe.loader(Stream(), batch_size=8):
             batch["inputs_embeds"]
             assert pipe._owner.stream is None
         assert not pipe._owner.blind
 
 
-class FailsInAFork(torch.utils.data.Dataset):
-    """Ids below 97; in any process but the one that made it (the foresight child) a sample
-    raises, as a dataset that holds a CUDA context does in a forked child."""
+class InAForkOnly(torch.utils.data.Dataset):
+    """Samples of ids below 97, or of ``key``'s; in any process but the one that made it (the
+    foresight child) a sample does ``fail()``, as a dataset that holds a CUDA context does."""
 
-    def __init__(self) -> None:
-        self.pid = os.getpid()
+    def __init__(self, fail, key: str = "input_ids") -> None:
+        self.pid, self.fail, self.key = os.getpid(), fail, key
 
     def __len__(self) -> int:
-        return 400
+        return 2000
 
     def __getitem__(self, i: int) -> dict:
         if os.getpid() != self.pid:
-            raise RuntimeError("Cannot re-initialize CUDA in forked subprocess")
-        return {"input_ids": torch.tensor([i % 97, (7 * i) % 97])}
+            self.fail()
+        return {self.key: torch.tensor([i % 97, (7 * i) % 97])}
 
 
-@pytest.mark.parametrize("owner", ["thread", "process"])
-def test_a_foresight_child_that_fails_is_named_in_the_warning(tmp_path, owner):
+def raise_as_cuda():
+    raise RuntimeError("Cannot re-initialize CUDA in forked subprocess")
+
+
+def crash():
+    os._exit(1)
+
+
+@pytest.mark.parametrize(
+    "owner, dataset, collate, told",
+    [
+        ("thread", InAForkOnly(raise_as_cuda), None, "failed: RuntimeError: Cannot re-init"),
+        ("process", InAForkOnly(raise_as_cuda), None, "failed: RuntimeError: Cannot re-init"),
+        ("thread", InAForkOnly(crash), None, "ended without a word"),
+        ("thread", InAForkOnly(lambda: None, key="words"),
+         lambda samples: {"input_ids": torch.stack([s["words"] for s in samples])},
+         "samples carry no 'input_ids' before the loader's collate_fn makes it"),
+    ],
+)  # fmt: skip
+def test_foresight_that_ends_early_says_why(tmp_path, owner, dataset, collate, told):
     # Before, the child ended its foresight without a word: the policy ran with no window and
     # said nothing, or said later that foresight could not keep up.
     embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
     with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100, owner=owner) as pipe:
-        message = "failed: RuntimeError: Cannot re-initialize CUDA in forked subprocess"
-        with pytest.warns(RuntimeWarning, match=message):
-            for n, batch in enumerate(pipe.loader(FailsInAFork(), batch_size=8)):
+        with pytest.warns(RuntimeWarning, match=re.escape(told)):
+            for batch in pipe.loader(dataset, batch_size=8, collate_fn=collate):
                 assert batch["inputs_embeds"].shape == (8, 2, 4)  # the loop is unaffected
-                time.sleep(0.01)  # the child's error arrives meanwhile
-                if n == 40:
+                if pipe._owner.blind:
                     break
+                time.sleep(0.01)  # the child's word arrives meanwhile
         assert pipe._owner.blind
 
 
