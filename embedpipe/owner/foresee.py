@@ -144,16 +144,15 @@ class IdsReader:
         if self._ids < 0:
             return None
         header = _read_exactly(self._ids, _HEADER.size)
-        number, count = _HEADER.unpack(header) if header is not None else (None, 0)
-        if number == _END:
-            return None
+        number, count = _HEADER.unpack(header) if header is not None else (_END, -1)
         if number == _FAILED:
             text = _read_exactly(self._ids, count)
             self.failure = "(unreadable)" if text is None else text.decode(errors="replace")
             return None
-        payload = _read_exactly(self._ids, count * 8) if number is not None else None
-        if payload is None:  # no end marker: the child was killed or crashed, or is stopped
-            self.failure = _why(None)
+        payload = _read_exactly(self._ids, count * 8) if number != _END else None
+        if payload is None:
+            if count != 0:  # no end marker: the child was killed or crashed, or is stopped
+                self.failure = _why(None)
             return None
         return number, np.frombuffer(payload, dtype=np.int64)
 
