@@ -199,12 +199,14 @@ class RowCache:
         pinned = self.pin(ids) if pinned is None else pinned
         slots = pinned.slots
         cached = slots >= 0
-        s = slots[cached]
-        rows = take_rows(self.shared.rows, np.maximum(slots, 0))  # the uncached: set below
-        state = {name: np.empty_like(rows) for name in self.state}
-        for name, array in self.state.items():
-            state[name][cached] = array[s]
         rest = np.flatnonzero(~cached)
+        rows = take_rows(self.shared.rows, np.maximum(slots, 0))  # the uncached: set below
+        if not len(rest):  # all cached (a large cache): no masks to copy through
+            state = {name: take_rows(array, slots) for name, array in self.state.items()}
+        else:
+            state = {name: np.empty_like(rows) for name in self.state}
+            for name, array in self.state.items():
+                state[name][cached] = array[slots[cached]]
         if len(rest):  # the batches' staged copies first, the table for the others
             dim = rows.shape[1]
             found, staged = from_copies(
@@ -276,9 +278,11 @@ class RowCache:
                         now[admitted], rows[picked], {k: v[picked] for k, v in state.items()}
                     )
                     self.dirty[now[admitted]] = False  # the table has it already
-            s = slots[cached]
-            self._put_rows(s, rows[cached], {k: v[cached] for k, v in state.items()})
-            self.pinned[s] = False
+                # the cached ones go on below (every row cached: all of them, with no copy)
+                slots, rows = slots[cached], rows[cached]
+                state = {k: v[cached] for k, v in state.items()}
+            self._put_rows(slots, rows, state)
+            self.pinned[slots] = False
             self.clock += 1
             self.last_updated[ids] = self.clock
         return self.clock

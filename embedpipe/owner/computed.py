@@ -51,22 +51,16 @@ class Computed:
     rows: np.ndarray
     generation: int
     order: np.ndarray = field(init=False)
+    sorted_ids: np.ndarray = field(init=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # in the writeback thread, not the hand-off
         self.order = np.argsort(self.ids)
+        self.sorted_ids = self.ids[self.order]
 
-    def take(
-        self, ids: np.ndarray, rows: np.ndarray, stale: np.ndarray | None, counts: dict[str, int]
-    ) -> np.ndarray | None:
-        """Put the step's rows of ``ids`` (unique) into ``rows``; returns the positions re-read,
-        ``stale`` and these (None stays None: the owner read every row)."""
+    def find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Which of ``ids`` (unique) the step changed, as a mask, and where their new rows are
+        in :attr:`rows` (in the order of the mask's set positions)."""
         if not len(self.ids) or not len(ids):
-            return stale
-        hit, at = find_sorted(self.ids[self.order], ids)
-        changed = np.flatnonzero(hit)
-        rows[changed] = self.rows[self.order[at[changed]]]
-        if stale is None:
-            return None
-        merged = np.union1d(stale, changed)
-        counts["refreshed"] += len(merged) - len(stale)
-        return merged
+            return np.zeros(len(ids), dtype=bool), np.zeros(0, dtype=np.int64)
+        hit, at = find_sorted(self.sorted_ids, ids)
+        return hit, self.order[at[hit]]

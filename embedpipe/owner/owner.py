@@ -100,16 +100,13 @@ class Owner:
         self.cache = RowCache(self.shared, policy, self._fetch, self._store, state=state)
         self.lock = threading.Lock()
         self.start_step = table.step
-        self.writeback = (
-            Writeback(self.apply, idle=self.clean_ahead, step=table.step)
-            if optimizer is not None
-            else None
-        )
-        self.gradient = (
-            TableGradient(table.dim, optimizer.lr, self.check_step, self.submit, parameter)
-            if optimizer is not None
-            else None
-        )
+        self.writeback: Writeback | None = None
+        self.gradient: TableGradient | None = None
+        if optimizer is not None:
+            self.writeback = Writeback(self.apply, idle=self.clean_ahead, step=table.step)
+            self.gradient = TableGradient(
+                table.dim, optimizer.lr, self.check_step, self.submit, parameter
+            )
         self.counts = dict.fromkeys(
             (
                 "batches",
@@ -192,10 +189,11 @@ class Owner:
         ids = item.unique_ids
         computed = self._wait_for_rows()
         # the cache holds at least these steps' updates from here on (with `computed`: the
-        # rows of the last one are taken from it below)
+        # rows the last one changed are taken from it below, and re-read from nowhere else)
         step = self.applied_step if computed is None else computed.step
         hits, misses = item.hits, item.misses
         with self.lock:
+            changed, where = computed.find(ids) if computed is not None else (None, None)
             stale = None
             if rows is None:
                 if item.lookup_step >= 0:
@@ -208,12 +206,14 @@ class Owner:
             else:
                 if item.deferred is not None and len(item.deferred):
                     self._read_deferred(ids, rows, item.deferred)
-                stale = np.flatnonzero(self.cache.last_updated[ids] > item.lookup_step)
-                if len(stale):
-                    rows[stale] = self.cache.current(ids[stale])
-                    self.counts["refreshed"] += len(stale)
+                newer = self.cache.last_updated[ids] > item.lookup_step
+                again = np.flatnonzero(newer if changed is None else newer & ~changed)
+                if len(again):
+                    rows[again] = self.cache.current(ids[again])
+                stale = np.flatnonzero(newer if changed is None else newer | changed)
+                self.counts["refreshed"] += len(stale)
             if computed is not None:
-                stale = computed.take(ids, rows, stale, self.counts)
+                rows[changed] = computed.rows[where]
             tick = self.cache.clock
             if deliver is not None:
                 deliver(rows, stale, step, tick)

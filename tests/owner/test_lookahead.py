@@ -356,9 +356,11 @@ def test_auto_stops_looking_ahead_when_foresight_keeps_missing(tmp_path, owner):
     embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
     with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100, owner=owner) as pipe:
         with pytest.warns(RuntimeWarning, match="stopped looking ahead"):
+            # until it gives up (16 claims judged; on a loaded machine the foresight child may
+            # start late, and claims before its first batch are not judged), at most 1,000
             for n, batch in enumerate(pipe.loader(RandomIds(), batch_size=8, num_workers=2)):
                 batch["inputs_embeds"]
-                if n == 40:
+                if pipe._owner.blind or n == 1000:
                     break
         assert pipe._owner.blind and pipe._owner.stream is None
         for n, _ in enumerate(pipe.loader(RandomIds(), batch_size=8)):  # no stream, no warning

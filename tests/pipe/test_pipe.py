@@ -181,19 +181,20 @@ def test_a_hand_off_that_takes_a_step_before_its_rows_are_written_trains_bit_for
     from embedpipe.cache.rowcache import RowCache
     from embedpipe.owner.computed import Computed
 
-    write_uncached, take = RowCache.write_uncached, Computed.take
+    write_uncached, find = RowCache.write_uncached, Computed.find
     taken = []
 
     def slow_write(self, update, before):
         time.sleep(0.05)
         write_uncached(self, update, before)
 
-    def counted_take(self, ids, rows, stale, counts):
-        taken.append(int(np.isin(ids, self.ids).sum()))
-        return take(self, ids, rows, stale, counts)
+    def counted_find(self, ids):
+        changed, where = find(self, ids)
+        taken.append(int(changed.sum()))
+        return changed, where
 
     monkeypatch.setattr(RowCache, "write_uncached", slow_write)
-    monkeypatch.setattr(Computed, "take", counted_take)
+    monkeypatch.setattr(Computed, "find", counted_find)
     reference, ref_model, _ = train_reference(data, "adagrad", lr=0.5)
     table, model, _, _ = train_offloaded(
         data,
