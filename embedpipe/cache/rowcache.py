@@ -198,15 +198,10 @@ class RowCache:
         :meth:`pin` (under the owner's lock; this copy needs none) or here."""
         pinned = self.pin(ids) if pinned is None else pinned
         slots = pinned.slots
-        cached = slots >= 0
-        rest = np.flatnonzero(~cached)
-        rows = take_rows(self.shared.rows, np.maximum(slots, 0))  # the uncached: set below
-        if not len(rest):  # all cached (a large cache): no masks to copy through
-            state = {name: take_rows(array, slots) for name, array in self.state.items()}
-        else:
-            state = {name: np.empty_like(rows) for name in self.state}
-            for name, array in self.state.items():
-                state[name][cached] = array[slots[cached]]
+        rest = np.flatnonzero(slots < 0)
+        at = np.maximum(slots, 0)  # the uncached rows and state: set below
+        rows = take_rows(self.shared.rows, at)
+        state = {name: take_rows(array, at) for name, array in self.state.items()}
         if len(rest):  # the batches' staged copies first, the table for the others
             dim = rows.shape[1]
             found, staged = from_copies(

@@ -100,8 +100,7 @@ class Owner:
         self.cache = RowCache(self.shared, policy, self._fetch, self._store, state=state)
         self.lock = threading.Lock()
         self.start_step = table.step
-        self.writeback: Writeback | None = None
-        self.gradient: TableGradient | None = None
+        self.writeback, self.gradient = None, None  # a Writeback, a TableGradient: to train
         if optimizer is not None:
             self.writeback = Writeback(self.apply, idle=self.clean_ahead, step=table.step)
             self.gradient = TableGradient(
@@ -188,12 +187,13 @@ class Owner:
             self.gradient.see_optimizers()  # before a hand-written warmup changes their rates
         ids = item.unique_ids
         computed = self._wait_for_rows()
-        # the cache holds at least these steps' updates from here on (with `computed`: the
-        # rows the last one changed are taken from it below, and re-read from nowhere else)
-        step = self.applied_step if computed is None else computed.step
+        step = self.applied_step if computed is None else computed.step  # the rows hold it
         hits, misses = item.hits, item.misses
         with self.lock:
-            changed, where = computed.find(ids) if computed is not None else (None, None)
+            # the rows the last step changed: taken from `computed`, and re-read from nowhere else
+            changed, where = np.zeros(len(ids), dtype=bool), None
+            if computed is not None:
+                changed, where = computed.find(ids)
             stale = None
             if rows is None:
                 if item.lookup_step >= 0:
@@ -207,12 +207,12 @@ class Owner:
                 if item.deferred is not None and len(item.deferred):
                     self._read_deferred(ids, rows, item.deferred)
                 newer = self.cache.last_updated[ids] > item.lookup_step
-                again = np.flatnonzero(newer if changed is None else newer & ~changed)
+                again = np.flatnonzero(newer & ~changed)
                 if len(again):
                     rows[again] = self.cache.current(ids[again])
-                stale = np.flatnonzero(newer if changed is None else newer | changed)
+                stale = np.flatnonzero(newer | changed)
                 self.counts["refreshed"] += len(stale)
-            if computed is not None:
+            if where is not None:
                 rows[changed] = computed.rows[where]
             tick = self.cache.clock
             if deliver is not None:
