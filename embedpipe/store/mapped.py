@@ -32,13 +32,28 @@ at the chunk's path first (a ``stat``, as a read does):
   ``pwrite`` from then on. An I/O error of the disk itself while a page is read in to be written
   is a ``SIGBUS`` here where ``pwrite`` would have raised ``EIO``: the owner process ends, and the
   table reopens at its last checkpoint, as after any crash of it.
+
+An array that fits in the bound, on Linux, with chunks of whole pages, is mapped into one window:
+an address range the size of the array is reserved (no access: a stray touch is a crash, never
+a silent read of zeros) and each chunk file is mapped over its own part of it (``MAP_FIXED``) at
+its first write. A step's rows, spread over most of the chunks, then go in with one numpy scatter
+instead of one per chunk (measured, 800 rows of 768 floats over 120 chunks: 4.5 ms with a
+mapping a chunk, of which 2.1 ms numpy's per-call overhead per chunk and 0.9 ms finding the
+mapping; the scatter alone 0.3-0.5 ms). The owner's reads of rows in chunks so mapped come out of
+the window the same way, one gather where ``RawRows.read`` makes a system call a row (800 rows:
+1.2 against 3.4-3.7 ms); only a chunk whose mapping is still its file's (the same inode) is read
+there. The checks above stay per chunk, a ``stat`` each. With a 5% cache
+at D = 768 with ``owner="process"``, the owner process's CPU fell from 60-64 to 44-46 ms a batch.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import mmap
 import os
+import sys
 import threading
 from collections import OrderedDict
 
@@ -51,16 +66,29 @@ MAPPED_BYTES = 1 << 30
 #: ``posix_fallocate`` errors that mean "this file system cannot", not "the disk is full".
 _CANNOT = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV}
 
+#: Whether an array that can be mapped into one window is (see the NOTE; tests turn it off to
+#: try the mapping a chunk that larger arrays get).
+WINDOW = True
+
+#: Linux's ``mmap`` flags the mmap module does not name (the window, see the NOTE).
+_MAP_FIXED, _MAP_NORESERVE, _PROT_NONE = 0x10, 0x4000, 0
+
 
 class MappedChunks:
     """The chunk files of one array that are mapped for writing (see the NOTE).
 
     ``path_of(chunk)`` names a chunk's file; each is ``chunk_bytes`` long, rows of ``dtype``
-    (``(rows, dim)`` each). ``limit``: the most bytes mapped at once.
+    (``(rows, dim)`` each); ``chunks`` of them. ``limit``: the most bytes mapped at once.
     """
 
     def __init__(
-        self, path_of, chunk_rows: int, dim: int, dtype: np.dtype, limit: int = MAPPED_BYTES
+        self,
+        path_of,
+        chunk_rows: int,
+        dim: int,
+        dtype: np.dtype,
+        limit: int = MAPPED_BYTES,
+        chunks: int = 0,
     ) -> None:
         self.path_of = path_of
         self.shape = (chunk_rows, dim)
@@ -68,8 +96,69 @@ class MappedChunks:
         self.chunk_bytes = chunk_rows * dim * dtype.itemsize
         self.most = max(1, limit // self.chunk_bytes)
         self.enabled = True
-        self._maps: OrderedDict[int, tuple[int, mmap.mmap]] = OrderedDict()  # chunk: (inode, map)
+        #: chunk: (inode, its own mapping, or None for its part of the window)
+        self._maps: OrderedDict[int, tuple[int, mmap.mmap | None]] = OrderedDict()
         self._lock = threading.Lock()  # the writeback thread and a request's admission write
+        self._window = self._reserve(chunks) if WINDOW and 0 < chunks <= self.most else None
+
+    def _reserve(self, chunks: int) -> np.ndarray | None:
+        """The window: ``chunks`` chunks' worth of address space, no access until a chunk file is
+        mapped over its part (see the NOTE); None where chunks are not whole pages, or not Linux.
+        The reservation is an ``mmap`` object, so it is unmapped (with every chunk mapped into
+        it) only once no array made from it is left."""
+        if sys.platform != "linux" or self.chunk_bytes % mmap.PAGESIZE:
+            return None
+        size = chunks * self.chunk_bytes
+        reserved = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        window = np.frombuffer(reserved, dtype=self.dtype).reshape(chunks, *self.shape)
+        if _libc().mprotect(window.ctypes.data, size, _PROT_NONE) != 0:
+            return None  # left readable and writable: use a mapping a chunk instead
+        return window
+
+    def write(self, ids: np.ndarray, data: np.ndarray) -> np.ndarray:
+        """Write ``data[k]`` as row ``ids[k]`` in place wherever its chunk file can be mapped
+        (:meth:`rows`): in one scatter where the array has a window (see the NOTE), else one a
+        chunk. Returns the mask of the rows written; the caller writes the others with
+        ``pwrite``."""
+        chunk_of = ids // self.shape[0]
+        chunks, where = np.unique(chunk_of, return_inverse=True)
+        views = [self.rows(chunk) for chunk in chunks.tolist()]
+        done = np.array([view is not None for view in views], dtype=bool)[where]
+        if self._window is not None:
+            rows = self._window.reshape(-1, self.shape[1])
+            if done.all():
+                rows[ids] = data
+            else:
+                rows[ids[done]] = data[done]
+            return done
+        order = np.argsort(where, kind="stable")
+        bounds = np.searchsorted(where[order], np.arange(len(chunks) + 1))
+        for k, view in enumerate(views):
+            if view is not None:
+                at = order[bounds[k] : bounds[k + 1]]
+                view[ids[at] - chunks[k] * self.shape[0]] = data[at]
+        return done
+
+    def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows of ``ids`` whose chunks are mapped into the window, their files still the
+        chunks' (a ``stat`` each, as :meth:`rows` does): the mask of those ids and their rows in
+        order, the others left to the caller (all of them without a window)."""
+        if self._window is None or not self._maps:
+            return np.zeros(len(ids), dtype=bool), np.empty((0, self.shape[1]), dtype=self.dtype)
+        chunks, where = np.unique(ids // self.shape[0], return_inverse=True)
+        done = np.array([self._current(chunk) for chunk in chunks.tolist()], dtype=bool)[where]
+        rows = self._window.reshape(-1, self.shape[1])
+        return done, rows[ids if done.all() else ids[done]]
+
+    def _current(self, chunk: int) -> bool:
+        """Whether the chunk's part of the window maps the chunk's file as it is now."""
+        held = self._maps.get(chunk)
+        if held is None or held[1] is not None:
+            return False
+        try:
+            return os.stat(self.path_of(chunk)).st_ino == held[0]
+        except FileNotFoundError:
+            return False
 
     def rows(self, chunk: int) -> np.ndarray | None:
         """The chunk's rows, mapped to write in place; None where the caller writes with
@@ -88,7 +177,7 @@ class MappedChunks:
                 return None
             held = self._maps.get(chunk)
             if held is None or held[0] != stat.st_ino:  # not mapped yet, or replaced since
-                held = self._map(path, stat.st_size)
+                held = self._map(path, stat.st_size, chunk)
                 if held is None:
                     self._maps.pop(chunk, None)
                     return None
@@ -96,9 +185,11 @@ class MappedChunks:
                 while len(self._maps) > self.most:
                     self._maps.popitem(last=False)  # unmapped once no write uses it
             self._maps.move_to_end(chunk)
+            if held[1] is None:
+                return self._window[chunk]
             return np.frombuffer(held[1], dtype=self.dtype).reshape(self.shape)
 
-    def _map(self, path: str, size: int) -> tuple[int, mmap.mmap] | None:
+    def _map(self, path: str, size: int, chunk: int) -> tuple[int, mmap.mmap | None] | None:
         if size != self.chunk_bytes:
             return None  # the pwrite path says what is wrong with it
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -111,7 +202,11 @@ class MappedChunks:
                         raise
                     self.enabled = False
                     return None
-            return os.fstat(fd).st_ino, mmap.mmap(fd, size)  # MAP_SHARED, read and write
+            inode = os.fstat(fd).st_ino
+            if self._window is None:
+                return inode, mmap.mmap(fd, size)  # MAP_SHARED, read and write
+            _map_over(self._window[chunk], fd)
+            return inode, None
         finally:
             os.close(fd)
 
@@ -121,6 +216,26 @@ def map_writes(table, limit: int = MAPPED_BYTES) -> None:
     ``pwrite`` per row, the default."""
     table._mapped_bytes = limit
     table._rows.clear()  # made again, mapping
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_int64)  # fmt: skip
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc
+
+
+def _map_over(part: np.ndarray, fd: int) -> None:
+    """Map the whole of file ``fd``, shared, readable and writable, over the window's ``part``
+    (exactly its size), replacing whatever was mapped there."""
+    address, prot = part.ctypes.data, mmap.PROT_READ | mmap.PROT_WRITE
+    got = _libc().mmap(address, part.nbytes, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+    if got != address:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mapping a chunk file into the table's window: {os.strerror(code)}")
 
 
 def _has_holes(fd: int, size: int) -> bool:

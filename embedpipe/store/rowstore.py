@@ -20,7 +20,8 @@ has a new inode, so the reader opens the new file and never serves bytes older t
 replace that finished before its read began. An open file that falls out of the reader's table is
 closed when the last read using it is done (another thread may still be reading it).
 
-Rows are read with ``preadv`` into the output, never mapped, so a process that reads a table many
+Rows are read with ``preadv`` into the output, never mapped (but for the chunks the owner process
+has mapped to write, at most ``mapped.MAPPED_BYTES``), so a process that reads a table many
 times larger than memory does not grow by what it read: the pages stay in the OS page cache, not
 in the process (an earlier ``mmap`` reader had to drop its pages after each copy with
 ``MADV_DONTNEED``; the kernel maps a whole large folio per fault, +1 GB RSS for 32 MiB of rows
@@ -228,7 +229,14 @@ class RawRows(ZarrRows):
         """Write rows through mappings of their chunk files, at most ``limit`` bytes mapped
         (NOTE [ Mapped row writes ] in ``mapped.py``); 0: one ``pwrite`` per row."""
         self.mapped = (
-            MappedChunks(self._path, self.chunk_rows, self.dim, self.dtype.newbyteorder("<"), limit)
+            MappedChunks(
+                self._path,
+                self.chunk_rows,
+                self.dim,
+                self.dtype.newbyteorder("<"),
+                limit,
+                chunks=-(-self.num_rows // self.chunk_rows),
+            )
             if limit
             else None
         )
@@ -299,13 +307,21 @@ class RawRows(ZarrRows):
         """Rows for ``ids`` (1-D int64, in range), in the order of ``ids``: rows in the page
         cache are copied at once, the others are all sent to the disk before waiting for any
         (see the NOTE). Cost: a ``stat`` per chunk touched, one or two system calls per row
-        (per-row work stays in plain Python: numpy's per-call overhead per chunk cost more)."""
+        (per-row work stays in plain Python: numpy's per-call overhead per chunk cost more);
+        in the owner process, rows of the chunks it has mapped into its window are copied from
+        there in one gather (NOTE [ Mapped row writes ] in ``mapped.py``)."""
         out = np.empty((len(ids), self.dim), dtype=self.dtype)  # out: (N, D)
         if len(ids) == 0:
             return out
+        rest = np.arange(len(ids))
+        if self.mapped is not None:  # the rows in the owner process's window: one gather
+            done, rows = self.mapped.read(ids)
+            if done.all():
+                return rows
+            out[done], rest = rows, np.flatnonzero(~done)
         out_bytes = memoryview(out).cast("B")
         rb = self.row_bytes
-        order = np.argsort(ids, kind="stable")  # chunk by chunk, rows ascending in each file
+        order = rest[np.argsort(ids[rest], kind="stable")]  # by chunk, rows ascending in each file
         chunk_of = (ids[order] // self.chunk_rows).tolist()
         offsets = (ids[order] % self.chunk_rows * rb).tolist()
         waiting: list[tuple[_ChunkFile, int, int, int]] = []  # (file, chunk, position, offset)
@@ -350,18 +366,19 @@ class RawRows(ZarrRows):
         chunk file shared with a checkpoint is copied first. Raises ``OSError`` on a full disk,
         after which some of the rows may be written and others not."""
         data = np.ascontiguousarray(rows, dtype=self.dtype.newbyteorder("<"))
+        if self.mapped is not None:  # in place, no system call
+            left = ~self.mapped.write(ids, data)
+            if not left.any():
+                return
+            ids, data = ids[left], np.ascontiguousarray(data[left])
         view, rb = memoryview(data).cast("B"), self.row_bytes
         chunks, positions = group_by_chunk(ids, self.chunk_rows)
         for chunk, pos in zip(chunks, positions):
-            mapped = self.mapped.rows(chunk) if self.mapped is not None else None
-            if mapped is not None:  # in place, no system call
-                mapped[ids[pos] - chunk * self.chunk_rows] = data[pos]
-                continue
             pos = pos[np.argsort(ids[pos])]  # ascending offsets within the file
             path = self._path(chunk)
             fd, copy = self._open_private(chunk)
             if fd < 0:  # format 1: a chunk never written has no file yet
-                self._rewrite_chunk(chunk, ids[pos], rows[pos])
+                self._rewrite_chunk(chunk, ids[pos], data[pos])
                 continue
             try:
                 self._write_rows(fd, view, pos, (ids[pos] - chunk * self.chunk_rows) * rb)

@@ -18,7 +18,14 @@ from embedpipe.store import mapped
 
 from .test_checkpoints import small_disk  # noqa: F401 (a fixture)
 
-V, D = 512, 16
+V, D = 512, 32  # chunks of 32 rows: 4 KiB, a page
+
+
+@pytest.fixture(autouse=True, params=["window", "a mapping a chunk"])
+def layout(request, monkeypatch) -> str:
+    """Every test twice: with the array mapped into one window, and a mapping a chunk."""
+    monkeypatch.setattr(mapped, "WINDOW", request.param == "window")
+    return request.param
 
 
 @pytest.fixture
@@ -94,6 +101,29 @@ def test_a_chunk_replaced_whole_is_mapped_again(tmp_path, weight):
     np.testing.assert_array_equal(got, fresh)
 
 
+def test_a_read_takes_mapped_rows_from_the_window_and_never_a_replaced_file(
+    tmp_path, weight, layout, monkeypatch
+):
+    """Rows of chunks mapped into the window are read from it, with no system call a row; a
+    chunk file replaced since it was mapped is read from the new file."""
+    path = tmp_path / "t.zarr"
+    reads = []
+    preadv = os.preadv
+    with mapped_table(path, weight) as table:
+        rows = table._array("weight")
+        for _ in range(2):  # copied, then mapped
+            table.write([1, 40], np.ones((2, D), dtype=np.float32))
+        assert sorted(rows.mapped._maps) == [0, 1]
+        monkeypatch.setattr(os, "preadv", lambda *a: reads.append(a[2]) or preadv(*a))
+        np.testing.assert_array_equal(table.read([41, 40]), [weight[41], np.ones(D)])
+        assert (reads == []) == (layout == "window"), reads
+        rows.write_chunk(0, np.full((32, D), 3.0, dtype=np.float32))  # a new file over chunk 0's
+        got = table.read([1, 2, 40, 41, 100])
+    expected = weight[[1, 2, 40, 41, 100]].copy()
+    expected[:2], expected[2] = 3.0, 1.0
+    np.testing.assert_array_equal(got, expected)
+
+
 def test_a_sparse_chunk_is_allocated_before_it_is_written(tmp_path):
     path = tmp_path / "t.zarr"
     with mapped_table(path) as table:
@@ -112,13 +142,15 @@ def test_with_mapped_writes_off_rows_go_by_pwrite(tmp_path, weight):
         np.testing.assert_array_equal(table.read([9])[0], np.ones(D))
 
 
-def test_a_full_disk_under_mapped_writes_is_an_oserror_not_a_sigbus(small_disk):  # noqa: F811
+def test_a_full_disk_under_mapped_writes_is_an_oserror_not_a_sigbus(small_disk, layout):  # noqa: F811
     """A 4 MiB table of zeros (sparse files) on a 3 MiB disk, every chunk written through its
     mapping: in a child process, so that a SIGBUS would show as its death by signal."""
     code = textwrap.dedent(
         f"""
         import errno, numpy as np, embedpipe
+        from embedpipe.store import mapped
         from embedpipe.store.mapped import map_writes
+        mapped.WINDOW = {layout == "window"}
         table = embedpipe.Table.create({str(small_disk / "t.zarr")!r}, 16384, 64,
                                        chunk_rows=256, init="zeros")
         map_writes(table)
