@@ -30,8 +30,9 @@ at the chunk's path first (a ``stat``, as a read does):
   process with ``SIGBUS``; allocated first, a full disk is an ``OSError`` (``TableWriteError``)
   before any row is written. A file system that cannot allocate ahead is written with
   ``pwrite`` from then on. An I/O error of the disk itself while a page is read in to be written
-  is a ``SIGBUS`` here where ``pwrite`` would have raised ``EIO``: the owner process ends, and the
-  table reopens at its last checkpoint, as after any crash of it.
+  is a ``SIGBUS`` here where ``pwrite`` would have raised ``EIO`` (and, through the window below,
+  where a read's ``preadv`` would have): the owner process ends, and the table reopens at its
+  last checkpoint, as after any crash of it.
 
 An array that fits in the bound, on Linux, with chunks of whole pages, is mapped into one window:
 an address range the size of the array is reserved (no access: a stray touch is a crash, never
@@ -53,6 +54,7 @@ import errno
 import functools
 import mmap
 import os
+import platform
 import sys
 import threading
 from collections import OrderedDict
@@ -71,7 +73,8 @@ _CANNOT = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV}
 WINDOW = True
 
 #: Linux's ``mmap`` flags the mmap module does not name (the window, see the NOTE).
-_MAP_FIXED, _MAP_NORESERVE, _PROT_NONE = 0x10, 0x4000, 0
+_MAP_FIXED, _NORESERVE, _PROT_NONE = 0x10, 0x4000, 0
+_FLAGS_KNOWN = sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")
 
 
 class MappedChunks:
@@ -103,13 +106,17 @@ class MappedChunks:
 
     def _reserve(self, chunks: int) -> np.ndarray | None:
         """The window: ``chunks`` chunks' worth of address space, no access until a chunk file is
-        mapped over its part (see the NOTE); None where chunks are not whole pages, or not Linux.
-        The reservation is an ``mmap`` object, so it is unmapped (with every chunk mapped into
-        it) only once no array made from it is left."""
-        if sys.platform != "linux" or self.chunk_bytes % mmap.PAGESIZE:
+        mapped over its part (see the NOTE); None where chunks are not whole pages, not Linux on
+        a machine whose ``mmap`` flags are known, or the address space is refused (a limit on
+        it, strict overcommit). The reservation is an ``mmap`` object, so it is unmapped (with
+        every chunk mapped into it) only once no array made from it is left."""
+        if not _FLAGS_KNOWN or self.chunk_bytes % mmap.PAGESIZE:
             return None
         size = chunks * self.chunk_bytes
-        reserved = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        try:
+            reserved = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
+        except OSError:
+            return None
         window = np.frombuffer(reserved, dtype=self.dtype).reshape(chunks, *self.shape)
         if _libc().mprotect(window.ctypes.data, size, _PROT_NONE) != 0:
             return None  # left readable and writable: use a mapping a chunk instead
@@ -177,6 +184,7 @@ class MappedChunks:
                 return None
             held = self._maps.get(chunk)
             if held is None or held[0] != stat.st_ino:  # not mapped yet, or replaced since
+                self._maps.pop(chunk, None)  # no entry left for a mapping that failed
                 held = self._map(path, stat.st_size, chunk)
                 if held is None:
                     self._maps.pop(chunk, None)
@@ -194,6 +202,9 @@ class MappedChunks:
             return None  # the pwrite path says what is wrong with it
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
+            opened = os.fstat(fd)  # the file mapped: checked again, in case the path changed
+            if opened.st_nlink != 1 or opened.st_size != size:
+                return None
             if _has_holes(fd, size):
                 try:
                     os.posix_fallocate(fd, 0, size)
@@ -202,11 +213,10 @@ class MappedChunks:
                         raise
                     self.enabled = False
                     return None
-            inode = os.fstat(fd).st_ino
             if self._window is None:
-                return inode, mmap.mmap(fd, size)  # MAP_SHARED, read and write
+                return opened.st_ino, mmap.mmap(fd, size)  # MAP_SHARED, read and write
             _map_over(self._window[chunk], fd)
-            return inode, None
+            return opened.st_ino, None
         finally:
             os.close(fd)
 
@@ -235,6 +245,10 @@ def _map_over(part: np.ndarray, fd: int) -> None:
     got = _libc().mmap(address, part.nbytes, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
     if got != address:
         code = ctypes.get_errno()
+        # a failed MAP_FIXED may have unmapped the part: reserve it again, so that no other
+        # mapping is ever placed there (a later map over it would replace that one)
+        anonymous = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE | _MAP_FIXED
+        _libc().mmap(address, part.nbytes, _PROT_NONE, anonymous, -1, 0)
         raise OSError(code, f"mapping a chunk file into the table's window: {os.strerror(code)}")
 
 

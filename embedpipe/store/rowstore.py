@@ -56,6 +56,7 @@ the hand-off re-reads every row the step changed (docs/consistency.md, invariant
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import resource
 from collections import OrderedDict
@@ -76,6 +77,11 @@ MAX_OPEN_CHUNKS = max(16, min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[0
 
 #: ``preadv`` flag: fail with EAGAIN instead of waiting for the disk (0 where there is none).
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+
+def chunk_path(root: str, chunk: int) -> str:
+    """The file of chunk ``chunk`` of the raw array in folder ``root``."""
+    return f"{root}/c/{chunk}/0"
 
 
 def group_by_chunk(ids: np.ndarray, chunk_rows: int) -> tuple[list[int], list[np.ndarray]]:
@@ -230,7 +236,7 @@ class RawRows(ZarrRows):
         (NOTE [ Mapped row writes ] in ``mapped.py``); 0: one ``pwrite`` per row."""
         self.mapped = (
             MappedChunks(
-                self._path,
+                functools.partial(chunk_path, self.root),  # not self: no cycle keeps it mapped
                 self.chunk_rows,
                 self.dim,
                 self.dtype.newbyteorder("<"),
@@ -262,7 +268,7 @@ class RawRows(ZarrRows):
         return os.path.join(str(store.root), array.path) if raw else None
 
     def _path(self, chunk: int) -> str:
-        return f"{self.root}/c/{chunk}/0"
+        return chunk_path(self.root, chunk)
 
     def _check_chunk(self, chunk: int) -> None:
         self._opened(chunk)  # raises for a missing file or one of the wrong size
@@ -313,15 +319,15 @@ class RawRows(ZarrRows):
         out = np.empty((len(ids), self.dim), dtype=self.dtype)  # out: (N, D)
         if len(ids) == 0:
             return out
-        rest = np.arange(len(ids))
+        order = np.argsort(ids, kind="stable")  # chunk by chunk, rows ascending in each file
         if self.mapped is not None:  # the rows in the owner process's window: one gather
             done, rows = self.mapped.read(ids)
             if done.all():
-                return rows
-            out[done], rest = rows, np.flatnonzero(~done)
+                return rows.view(self.dtype)
+            out[done] = rows
+            order = order[~done[order]]
         out_bytes = memoryview(out).cast("B")
         rb = self.row_bytes
-        order = rest[np.argsort(ids[rest], kind="stable")]  # by chunk, rows ascending in each file
         chunk_of = (ids[order] // self.chunk_rows).tolist()
         offsets = (ids[order] % self.chunk_rows * rb).tolist()
         waiting: list[tuple[_ChunkFile, int, int, int]] = []  # (file, chunk, position, offset)

@@ -4,6 +4,8 @@ never changes, and a full disk is an ``OSError``, never a ``SIGBUS``."""
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import subprocess
 import sys
@@ -24,6 +26,8 @@ V, D = 512, 32  # chunks of 32 rows: 4 KiB, a page
 @pytest.fixture(autouse=True, params=["window", "a mapping a chunk"])
 def layout(request, monkeypatch) -> str:
     """Every test twice: with the array mapped into one window, and a mapping a chunk."""
+    if request.param == "window" and (not mapped._FLAGS_KNOWN or mmap.PAGESIZE != 4096):
+        pytest.skip("the window needs Linux on x86_64 or aarch64, and chunks of whole pages")
     monkeypatch.setattr(mapped, "WINDOW", request.param == "window")
     return request.param
 
@@ -52,11 +56,12 @@ def read_chunk(path, chunk: int) -> np.ndarray:
         return np.frombuffer(f.read(), dtype="<f4").reshape(-1, D)
 
 
-def test_rows_written_through_mappings_are_what_every_reader_reads(tmp_path, weight):
+def test_rows_written_through_mappings_are_what_every_reader_reads(tmp_path, weight, layout):
     path = tmp_path / "t.zarr"
     ids = np.array([3, 40, 41, 300, 511])
     rows = np.arange(len(ids) * D, dtype=np.float32).reshape(-1, D)
     with mapped_table(path, weight) as table:
+        assert (table._array("weight").mapped._window is not None) == (layout == "window")
         table.write(ids, -rows)  # the files are the checkpoint's too: copied, written by pwrite
         assert not table._array("weight").mapped._maps
         table.write(ids, rows)  # the copies are this table's alone: mapped
@@ -118,10 +123,92 @@ def test_a_read_takes_mapped_rows_from_the_window_and_never_a_replaced_file(
         np.testing.assert_array_equal(table.read([41, 40]), [weight[41], np.ones(D)])
         assert (reads == []) == (layout == "window"), reads
         rows.write_chunk(0, np.full((32, D), 3.0, dtype=np.float32))  # a new file over chunk 0's
-        got = table.read([1, 2, 40, 41, 100])
-    expected = weight[[1, 2, 40, 41, 100]].copy()
-    expected[:2], expected[2] = 3.0, 1.0
+        ids = [100, 41, 1, 41, 2, 40, 100]  # unsorted, repeated: window, new file, never mapped
+        got = table.read(ids)
+        whole = table.read([41, 40])  # all from the window
+    expected = weight[ids].copy()
+    expected[[2, 4]], expected[5] = 3.0, 1.0
     np.testing.assert_array_equal(got, expected)
+    for read in (got, whole):
+        assert read.dtype == table.dtype, read.dtype
+
+
+def test_one_write_over_mapped_shared_and_unmapped_chunks(tmp_path, weight):
+    """A write whose rows fall in a mapped chunk, a chunk a checkpoint shares and one never
+    mapped, in no order: each lands, and the checkpoint keeps its rows."""
+    path = tmp_path / "t.zarr"
+    with mapped_table(path, weight) as table:
+        for _ in range(2):  # copied, then mapped
+            table.write([3], np.ones((1, D), dtype=np.float32))
+        checkpoint = table.checkpoint()  # every chunk shared now
+        for _ in range(2):  # chunk 0 copied, then mapped again
+            table.write([3], np.full((1, D), 2.0, dtype=np.float32))
+        ids = np.array([170, 4, 300, 3])  # chunk 5 (shared), 0 (mapped), 9 (shared), 0
+        rows = np.arange(4 * D, dtype=np.float32).reshape(4, D)
+        table.write(ids, rows)
+        got = table.read(np.arange(V))
+    expected = weight.copy()
+    expected[ids] = rows
+    np.testing.assert_array_equal(got, expected)
+    saved = weight[160:192].copy()
+    np.testing.assert_array_equal(read_chunk(checkpoint.path, 5), saved)
+
+
+def test_an_address_space_refused_leaves_a_mapping_a_chunk(tmp_path, weight, monkeypatch):
+    """A window the kernel refuses (a limit on the address space, strict overcommit) is no
+    error: the chunks are mapped one by one."""
+    real = mmap.mmap
+
+    def refuse(fileno, *args, **kwargs):
+        if fileno == -1:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return real(fileno, *args, **kwargs)
+
+    monkeypatch.setattr(mapped.mmap, "mmap", refuse)
+    path = tmp_path / "t.zarr"
+    with mapped_table(path, weight) as table:
+        for _ in range(2):
+            table.write([3, 100], np.ones((2, D), dtype=np.float32))
+        assert table._array("weight").mapped._window is None
+        assert sorted(table._array("weight").mapped._maps) == [0, 3]
+        np.testing.assert_array_equal(table.read([3, 100]), np.ones((2, D)))
+
+
+def test_a_chunk_that_fails_to_map_is_not_left_as_mapped(tmp_path, weight, layout, monkeypatch):
+    if layout != "window":
+        pytest.skip("the window's own mapping call")
+    path = tmp_path / "t.zarr"
+    with mapped_table(path, weight) as table:
+        table.write([3], np.ones((1, D), dtype=np.float32))  # copied
+        table.write([3], np.ones((1, D), dtype=np.float32))  # chunk 0 mapped
+        rows = table._array("weight")
+        rows.write_chunk(0, np.full((32, D), 3.0, dtype=np.float32))  # replaced: to map again
+
+        def fail(part, fd):
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+        monkeypatch.setattr(mapped, "_map_over", fail)
+        with pytest.raises(OSError):
+            table.write([4], np.ones((1, D), dtype=np.float32))
+        assert 0 not in rows.mapped._maps
+        np.testing.assert_array_equal(table.read([3, 4]), np.full((2, D), 3.0))  # by preadv
+        monkeypatch.undo()
+        table.write([4], np.ones((1, D), dtype=np.float32))
+        np.testing.assert_array_equal(table.read([3, 4, 5]), [[3.0] * D, [1.0] * D, [3.0] * D])
+
+
+def test_rows_read_after_a_roll_back_are_the_checkpoint(tmp_path, weight):
+    path = tmp_path / "t.zarr"
+    with mapped_table(path, weight) as table:
+        for value in (1.0, 2.0):
+            table.write([3, 100], np.full((2, D), value, dtype=np.float32))
+        table.checkpoint()
+        for value in (5.0, 6.0):  # copied, then through the mapping
+            table.write([3, 4], np.full((2, D), value, dtype=np.float32))
+        table._roll_back()
+        np.testing.assert_array_equal(table.read([3, 4, 100]), [[2.0] * D, weight[4], [2.0] * D])
+        table.write([4], np.full((1, D), 7.0, dtype=np.float32))
+        np.testing.assert_array_equal(table.read([3, 4]), [[2.0] * D, [7.0] * D])
 
 
 def test_a_sparse_chunk_is_allocated_before_it_is_written(tmp_path):
