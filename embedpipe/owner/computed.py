@@ -50,6 +50,7 @@ class Computed:
     ids: np.ndarray
     rows: np.ndarray
     generation: int
+    state: dict[str, np.ndarray] = field(default_factory=dict)  # the rows' optimizer state
     order: np.ndarray = field(init=False)
     sorted_ids: np.ndarray = field(init=False)
 

@@ -11,12 +11,9 @@ writer). Three kinds of code call it:
 - the writeback thread: :meth:`Owner.apply` per step, :meth:`Owner.clean_ahead` when idle.
 
 Its checkpoints, snapshots and close are the functions of ``durability.py``, which its methods of
-the same names call.
-
-An owner owns a range of the table's rows, all of them in one process. A pipe sharded over the
+the same names call. An owner owns a range of the table's rows, all of them in one process. A pipe sharded over the
 ranks of a process group has one owner per rank, each the only writer of its range:
-:class:`~embedpipe.ranks.shard_owner.ShardOwner`, which meets the others in the collectives of
-``shards.py``.
+:class:`~embedpipe.ranks.shard_owner.ShardOwner`, which meets the others in ``shards.py``.
 
 The hand-off and the writeback thread both change the cache; ``self.lock`` serialises them.
 
@@ -224,8 +221,10 @@ class Owner:
             if owned is not None:  # the other rows come from their owners at the read
                 mine, my_rows = ids[owned], rows[owned]
             self.cache.admit(mine, my_rows)
-            if self.trains_now:
-                self.cache.stage(mine, my_rows)  # its step need not read them again
+            if self.trains_now:  # its step need not read them again (NOTE in rowcache.py)
+                key = (self.generation, step) if self.takes_computed_rows else None
+                new = None if where is None else {k: v[where] for k, v in computed.state.items()}
+                self.cache.stage(mine, my_rows, key, None if new is None else (changed, new))
                 if self.looks_ahead:
                     self.cache.policy.hold(ids)
         self.counts["batches"] += 1
@@ -391,14 +390,14 @@ class Owner:
         new rows are computed, and takes the step's from there (NOTE [ A hand-off waits for
         the step's rows, not its writes ])."""
         with self.lock:
-            pinned = self.cache.pin(ids)
+            pinned = self.cache.pin(ids, (self.generation, step - 1))
             if self.looks_ahead:
                 self.cache.policy.release()  # the step's rows are pinned now
         try:
             work = self.cache.gather(ids, pinned)  # outside the lock: only this step changes them
             before = work.uncached()  # for a failed table write
             update_in_float32(self.optimizer, work.rows, work.state, grad, step, lr)
-            self._computed = Computed(step, ids, work.rows, self.generation)
+            self._computed = Computed(step, ids, work.rows, self.generation, work.state)
             self.writeback.computed_now(step)  # a hand-off waiting for this step goes on
             self._step_in_progress = step
             outside = self.takes_computed_rows  # else a hand-off must not see rows half-written
@@ -493,6 +492,7 @@ class Owner:
             "evictions": cache["evictions"],
             "cleaned_ahead": cache["cleaned_ahead"],
             "staged": cache["staged"],
+            "prepared": cache["prepared"],
             "writeback_queue": self.writeback.pending if self.writeback else 0,
             "steps": self.applied_step - self.start_step,
             "cached_rows": int((self.shared.slot_id >= 0).sum()),
