@@ -26,6 +26,11 @@ made dirty only when the step puts them back under the owner's lock). A step who
 fails raises at the next call into the pipe, as before; a batch handed off meanwhile holds that
 step's rows, and the loop stops at its next step.
 
+A hand-off on another thread than the steps (a loader iterated in a thread of the program's)
+may find, once it holds the lock, a later step computed since its wait, even put back: it takes
+that step's rows instead (the steps before it are written), or none if it is applied, and says
+the rows hold that step. (Found by review; the owner process serves one request at a time.)
+
 Not with ``max_staleness`` nor with a table sharded over ranks (the other shards' rows come from
 their owners, who know nothing of this): there a hand-off may run before the step's
 ``last_updated`` moves and would not re-read a row the step is half way through writing, so the

@@ -174,19 +174,23 @@ class Owner:
         """A lookup's rows as of the steps applied so far, with their step and clock tick.
 
         Waits for the writeback as the consistency mode requires, re-reads the rows that changed
-        since the lookup began, then admits the misses; ``deliver(rows, stale, step, tick)``
-        runs once the rows are final and before the admission (an owner process sends them
-        then, so the admission's evictions run while the training process goes on); ``stale``:
-        the positions re-read, or None when the owner read every row.
+        since the lookup began, then admits the misses; ``deliver(rows, stale, step, tick)`` runs
+        once the rows are final, before the admission (an owner process sends them then, so the
+        admission runs while the training process goes on); ``stale``: the positions re-read,
+        or None when the owner read every row.
         """
         self.check_open()
         if self.counts["batches"] == 0 and self.gradient is not None:
             self.gradient.see_optimizers()  # before a hand-written warmup changes their rates
         ids = item.unique_ids
         computed = self._wait_for_rows()
-        step = self.applied_step if computed is None else computed.step  # the rows hold it
         hits, misses = item.hits, item.misses
         with self.lock:
+            if computed is not None and self._computed is not computed:  # another thread's step
+                newer = self._computed  # since: its predecessors are put back (NOTE in computed.py)
+                fresh = self.writeback.applied < newer.step and newer.generation == self.generation
+                computed = newer if fresh else None
+            step = self.applied_step if computed is None else computed.step  # the rows hold it
             # the rows the last step changed: taken from `computed`, and re-read from nowhere else
             changed, where = np.zeros(len(ids), dtype=bool), None
             if computed is not None:
@@ -435,8 +439,7 @@ class Owner:
     def applied_step(self) -> int:
         return self.writeback.applied if self.writeback is not None else self.table.step
 
-    # ------------------------------------------------------------------------- checkpoints
-    # Their code, and what each does: ``durability.py`` (ShardOwner overrides some of them).
+    # ---------------------------- checkpoints: ``durability.py`` (ShardOwner overrides some)
     def checkpoint(self) -> Checkpoint:
         """Apply every queued step, write every updated row and commit them as a checkpoint."""
         return durability.checkpoint(self)
@@ -488,10 +491,7 @@ class Owner:
             **self.counts,
             # the lookups' misses they read themselves, and what the owner read
             "rows_read": self.counts["misses"] - self.counts["deferred"] + cache["rows_read"],
-            "rows_written": cache["rows_written"],
-            "evictions": cache["evictions"],
-            "cleaned_ahead": cache["cleaned_ahead"],
-            "staged": cache["staged"],
+            **{k: cache[k] for k in ("rows_written", "evictions", "cleaned_ahead", "staged")},
             "prepared": cache["prepared"],
             "writeback_queue": self.writeback.pending if self.writeback else 0,
             "steps": self.applied_step - self.start_step,

@@ -125,3 +125,43 @@ def test_bounded_mode_never_hands_out_a_row_its_step_is_half_way_through_writing
             pipe.step()
             time.sleep(0.005)
     assert torn == 0
+
+
+def test_a_hand_off_that_a_later_step_overtakes_hands_out_that_steps_rows(tmp_path, monkeypatch):
+    """A batch claimed on another thread than the steps: between its wait for step 1's computed
+    rows and the owner's lock, step 2 is submitted and applied (made so here, in the wait). The
+    batch must hold step 2's rows, not step 1's computed ones at a tick that says step 2."""
+    from embedpipe.cache.rowcache import RowCache
+    from embedpipe.owner.owner import Owner
+
+    embedpipe.Table.create(tmp_path / "t.zarr", V, D, init="zeros", chunk_rows=8).close()
+    write = RowCache.write_uncached
+
+    def slow_write(self, update, before):  # step 1 stays computed, not applied, for a while
+        time.sleep(0.05)
+        write(self, update, before)
+
+    monkeypatch.setattr(RowCache, "write_uncached", slow_write)
+    data = [{"input_ids": torch.randperm(V)} for _ in range(2)]
+    with EmbeddingPipe(
+        tmp_path / "t.zarr", cache_rows=V, optimizer=embedpipe.optim.SGD(lr=1.0)
+    ) as pipe:
+        owner = pipe._owner
+        wait = Owner._wait_for_rows
+        overtaken = []
+
+        def overtaking_wait(self):
+            computed = wait(self)
+            if computed is not None and not overtaken:  # the other thread's step 2, applied
+                overtaken.append(computed.step)
+                self.submit(torch.arange(V), -torch.ones(V, D), None)
+                self.writeback.wait(0)
+            return computed
+
+        monkeypatch.setattr(Owner, "_wait_for_rows", overtaking_wait)
+        batches = iter(pipe.loader(data, batch_size=1, num_workers=1))
+        (-next(batches)["inputs_embeds"]).sum().backward()
+        pipe.step()  # step 1: every row 1.0
+        embeds = next(batches)["inputs_embeds"]
+        assert overtaken == [1] and owner.applied_step == 2
+        assert torch.equal(embeds.detach(), torch.full((1, V, D), 2.0))

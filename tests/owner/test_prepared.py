@@ -5,6 +5,8 @@ Adagrad do, bit for bit, weights and Adagrad's sum."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -90,3 +92,66 @@ def test_bounded_mode_prepares_no_step(tmp_path):
         data, "adagrad", lr=0.5, path=tmp_path / "t.zarr", consistency="bounded", max_staleness=1
     )
     assert stats["steps"] == 4 and stats["prepared"] == 0
+
+
+def test_a_hand_off_before_the_last_step_is_put_back_prepares_that_steps_rows(
+    tmp_path, monkeypatch
+):
+    """The step's table write is slowed, so each hand-off (2 workers: the lookup ran ahead)
+    comes while the cache still holds the rows before it: the copy must take that step's."""
+    from embedpipe.cache.rowcache import RowCache
+
+    write = RowCache.write_uncached
+
+    def slow_write(self, update, before):
+        time.sleep(0.01)
+        write(self, update, before)
+
+    monkeypatch.setattr(RowCache, "write_uncached", slow_write)
+    data = zipf_dataset(8 * 8, seed=7)
+    weight, _, stats, table = train_offloaded(
+        data, "adagrad", lr=0.5, path=tmp_path / "t.zarr", **PARITY, owner="thread"
+    )
+    assert stats["steps"] == 8 and stats["prepared"] == 8
+    assert_trained_as_the_reference(weight, table, train_reference(data, "adagrad", lr=0.5))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_prepared_step_trains_as_one_that_gathers(tmp_path, monkeypatch, optimizer):
+    """SGD (no state) and Adam (two state arrays): the same table with and without the copy."""
+    from embedpipe.cache.rowcache import RowCache
+
+    data = zipf_dataset(8 * 8, seed=8)
+    lr = 0.5 if optimizer == "sgd" else 0.1
+    prepared, _, stats, _ = train_offloaded(
+        data, optimizer, lr=lr, path=tmp_path / "a.zarr", **PARITY
+    )
+    assert stats["prepared"] == 8
+    stage = RowCache.stage
+    monkeypatch.setattr(RowCache, "stage", lambda self, ids, rows, *_: stage(self, ids, rows))
+    gathered, _, stats, _ = train_offloaded(
+        data, optimizer, lr=lr, path=tmp_path / "b.zarr", **PARITY
+    )
+    assert stats["prepared"] == 0
+    assert torch.equal(prepared, gathered)
+
+
+def test_a_copy_prepared_after_another_step_is_not_taken_as_is():
+    """The key: a copy made after step 1 is not the working copy of step 3."""
+    from embedpipe.cache.policy import LRU
+    from embedpipe.cache.rowcache import RowCache
+    from embedpipe.cache.sharedrows import SharedRows
+
+    table = {"weight": np.arange(40 * 4, dtype=np.float32).reshape(40, 4)}
+    cache = RowCache(
+        SharedRows(40, 4, 4, np.float32), LRU(4, 40), lambda i, n: table[n][i].copy(), None
+    )
+    ids = np.array([1, 2, 3])
+    cache.stage(ids, table["weight"][ids] + 1, (0, 1))  # not the rows the table holds
+    pinned = cache.pin(ids, (0, 2))
+    assert pinned.prepared is None and len(pinned.staged) == 1
+    assert cache.counts["prepared"] == 0
+    cache.stage(ids, table["weight"][ids] + 1, (0, 1))
+    pinned = cache.pin(ids, (0, 1))
+    assert pinned.prepared is not None and pinned.at is None
+    np.testing.assert_array_equal(cache.gather(ids, pinned).rows, table["weight"][ids] + 1)
