@@ -6,36 +6,20 @@ without locks from any DataLoader worker (NOTE [ Seqlock reads of the shared cac
 for cached rows, dirty bits, and the write to the table that must happen before a dirty slot is
 reused (invariant 3). Its writes to the shared rows go through :class:`SharedRows`, each inside
 the slot's seqlock.
-
-NOTE [ A step prepared at its batch's hand-off ]
-In exact mode (over the whole table) a training batch's hand-off knows every row of the batch as
-it is after the last step: they are the rows it hands out. It also knows their optimizer state:
-the cache's or the table's, and for the rows the last step changed, that step's own (the step
-may not have put them back yet). So :meth:`RowCache.stage` makes the working copy of the batch's
-step there, while the training process computes, and the step that follows takes it as is
-(:meth:`RowCache.gather` copies nothing; a step without the padding row takes a subset): the
-copy that was on the path from the gradient to the next hand-off is off it. Measured with an
-owner process, a 5% cache, D = 768 and a simulated accelerator step of 10 ms: 1-2 ms of a
-30 ms batch. The copy is of the step after ``key`` (the snapshot generation and the step its
-rows are final after) and is used only by that step, only if it holds every id of the step; a
-reset of the cache drops it. Any other step (two batches in one step, a step another batch's
-hand-off came between) takes it as a staged copy, whose tick decides which of its rows are
-still current, as for every staged copy (consistency.md, invariant 4). Not in bounded mode nor
-for a rank's shard: their hand-offs do not hand out final rows.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from ..errors import EmbedpipeError
+from .copies import PREPARE_RETRY, Copy, Prepared, find_sorted, from_copies
 from .policy import LRU
 from .sharedrows import SharedRows, take_rows
 
@@ -45,60 +29,10 @@ MAX_STAGED = 16
 Fetch = Callable[[np.ndarray, str], np.ndarray]  # (ids, array name) -> rows, from the table
 Store = Callable[[np.ndarray, np.ndarray, str], None]  # (ids, rows, array name) -> None
 
-#: A copy of rows the cache lacks: (sorted ids, their rows, the clock tick they were read at).
-Copy = tuple[np.ndarray, np.ndarray, int]
-
-
-def find_sorted(had: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Where ``ids`` are in ``had`` (sorted, non-empty): ``(hit, at)``, ``had[at[i]] == ids[i]``
-    where ``hit[i]``."""
-    at = np.minimum(np.searchsorted(had, ids), len(had) - 1)
-    return had[at] == ids, at
-
-
-def from_copies(
-    copies: Iterable[Copy], ids: np.ndarray, last_updated: np.ndarray, dim: int, dtype: Any
-) -> tuple[np.ndarray, np.ndarray]:
-    """The rows of ``ids`` that ``copies`` (the first that has an id wins) hold and no step
-    changed since (``last_updated`` at most the copy's tick): returns ``(found, rows)``, ``rows``
-    valid where ``found``. The owner's copies: a training batch's rows staged for its step
-    (``RowCache.stage``) and the lookahead reader's reads for batches in flight."""
-    found = np.zeros(len(ids), dtype=bool)
-    rows = np.empty((len(ids), dim), dtype=dtype)
-    for had, had_rows, tick in copies:
-        if not len(had):
-            continue
-        hit, at = find_sorted(had, ids)
-        hit &= ~found & (last_updated[ids] <= tick)
-        rows[hit] = had_rows[at[hit]]
-        found |= hit
-    return found, rows
-
 
 class CacheBrokenError(EmbedpipeError, RuntimeError):
     """An interruption left the cache in a state that cannot be trusted; the table on disk is
     untouched since its last checkpoint."""
-
-
-@dataclass
-class Prepared:
-    """A training batch's ``rows`` and optimizer ``state`` (U, D) of ``ids`` (sorted), as they
-    are after step ``key[1]`` of snapshot generation ``key[0]``: the working copy of the step that
-    follows, made while the training process computes (NOTE [ A step prepared at its batch's
-    hand-off ])."""
-
-    key: tuple[int, int]
-    ids: np.ndarray
-    slots: np.ndarray  # at its making: the rows then uncached are what a fallback needs
-    rows: np.ndarray
-    state: dict[str, np.ndarray]
-    tick: int
-
-    def as_copy(self) -> Copy:
-        """The rows (and state) that were not cached, as :meth:`RowCache.stage` keeps them."""
-        rest = self.slots < 0
-        parts = [self.rows[rest], *(array[rest] for array in self.state.values())]
-        return self.ids[rest], np.hstack(parts) if len(parts) > 1 else parts[0], self.tick
 
 
 @dataclass
@@ -168,6 +102,7 @@ class RowCache:
         #: rows of training batches the cache lacks, as handed out: (ids, rows, tick) (``stage``)
         self.staged: deque[Copy] = deque(maxlen=MAX_STAGED)
         self.prepared: Prepared | None = None  # the last training batch's, to be its step's
+        self._unprepared = 0  # steps left that prepare no copy (PREPARE_RETRY)
         self.last_admitted = 0  # rows the last hand-off admitted: about what the next evicts
         self.clock = 0  # ticks: one per applied step (and one per reset); published to workers
         self.last_updated = np.zeros(len(shared.slot_of), dtype=np.int32)  # tick of last change
@@ -237,11 +172,14 @@ class RowCache:
             if fits:
                 hit, at = find_sorted(prepared.ids, ids)
                 fits = bool(hit.all())
+            self._unprepared = 0 if fits else PREPARE_RETRY  # the loop's pattern: copies wasted
             if not fits:
                 self.staged.append(prepared.as_copy())
                 prepared = None
             elif len(ids) == len(prepared.ids) and (at == np.arange(len(ids))).all():
                 at = None  # the batch's own ids, in its order: no copy
+        elif self._unprepared:
+            self._unprepared -= 1
         staged = list(reversed(self.staged))
         self.staged.clear()
         return Pinned(ids, slots, staged, prepared, at)
@@ -299,12 +237,13 @@ class RowCache:
         With ``key`` (the generation and the step the batch's rows are final after), the
         batch's whole working copy is prepared instead, every row and its state: ``stepped``
         holds the mask of the ids that step changed and their new state. ``rows`` need hold
-        only the rows the cache lacks and those the step changed.
+        only the rows the cache lacks and those the step changed. Not for the
+        :data:`PREPARE_RETRY` steps after a step that could not take its copy.
         """
         slots = self.shared.slot_of[ids].astype(np.int64)
         self._load_state(slots[slots >= 0])
         missing = np.flatnonzero(slots < 0)
-        if key is not None:
+        if key is not None and not self._unprepared:
             # the cached rows from the cache (an owner process has only the others in ``rows``)
             at = np.maximum(slots, 0)  # the uncached: set below
             mine, state = take_rows(self.shared.rows, at), {}

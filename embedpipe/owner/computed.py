@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..cache.rowcache import find_sorted
+from ..cache.copies import find_sorted
 
 
 @dataclass

@@ -16,9 +16,8 @@ foresight pins no row for longer than its batch is in flight and grows no list. 
 when most of the last :data:`JUDGED_BATCHES` claims matched nothing foreseen, and with any policy
 when the child fails, the pipe stops looking ahead (LFU from then on) and says why, once.
 
-One stream owns the window at a time: the first loader iterated. Another loader iterated while it
-runs (an evaluation loop in the middle of an epoch) has no lookahead; its batches are handed off
-through the same cache and do not move the window.
+One stream owns the window at a time: the first loader iterated. Another iterated while it runs
+(an evaluation loop mid-epoch) has no lookahead; its batches go through the same cache, unseen.
 
 NOTE [ Misses read by the owner ]
 With workers, ``prefetch_factor x num_workers`` batches are looked up before the first of them is
@@ -52,7 +51,8 @@ from typing import Any, Protocol
 import numpy as np
 from torch.utils.data import BatchSampler
 
-from ..cache.rowcache import Copy, RowCache, from_copies
+from ..cache.copies import Copy, from_copies
+from ..cache.rowcache import RowCache
 from ..cache.sharedrows import SharedRows
 from ..cache.shm import SharedBlock
 from ..store.layout import WEIGHT

@@ -11,8 +11,8 @@ writer). Three kinds of code call it:
 - the writeback thread: :meth:`Owner.apply` per step, :meth:`Owner.clean_ahead` when idle.
 
 Its checkpoints, snapshots and close are the functions of ``durability.py``, which its methods of
-the same names call. An owner owns a range of the table's rows, all of them in one process. A pipe sharded over the
-ranks of a process group has one owner per rank, each the only writer of its range:
+the same names call. An owner owns a range of the table's rows, all of them in one process. A
+pipe sharded over a process group's ranks has one owner a rank, the only writer of its range:
 :class:`~embedpipe.ranks.shard_owner.ShardOwner`, which meets the others in ``shards.py``.
 
 The hand-off and the writeback thread both change the cache; ``self.lock`` serialises them.
@@ -225,7 +225,7 @@ class Owner:
             if owned is not None:  # the other rows come from their owners at the read
                 mine, my_rows = ids[owned], rows[owned]
             self.cache.admit(mine, my_rows)
-            if self.trains_now:  # its step need not read them again (NOTE in rowcache.py)
+            if self.trains_now:  # its step reads them not again (NOTE in cache/copies.py)
                 key = (self.generation, step) if self.takes_computed_rows else None
                 new = None if where is None else {k: v[where] for k, v in computed.state.items()}
                 self.cache.stage(mine, my_rows, key, None if new is None else (changed, new))

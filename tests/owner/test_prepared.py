@@ -1,5 +1,5 @@
 """A step's working copy prepared at its batch's hand-off (NOTE [ A step prepared at its batch's
-hand-off ] in ``cache/rowcache.py``): each step of the usual loop takes the copy its batch's
+hand-off ] in ``cache/copies.py``): each step of the usual loop takes the copy its batch's
 hand-off made, any other step falls back to reading, and both train as nn.Embedding + torch
 Adagrad do, bit for bit, weights and Adagrad's sum."""
 
@@ -137,21 +137,45 @@ def test_a_prepared_step_trains_as_one_that_gathers(tmp_path, monkeypatch, optim
 
 
 def test_a_copy_prepared_after_another_step_is_not_taken_as_is():
-    """The key: a copy made after step 1 is not the working copy of step 3."""
+    """The key: a copy made after step 1 is the working copy of step 2, not of step 3."""
     from embedpipe.cache.policy import LRU
     from embedpipe.cache.rowcache import RowCache
     from embedpipe.cache.sharedrows import SharedRows
 
     table = {"weight": np.arange(40 * 4, dtype=np.float32).reshape(40, 4)}
-    cache = RowCache(
-        SharedRows(40, 4, 4, np.float32), LRU(4, 40), lambda i, n: table[n][i].copy(), None
-    )
+    fetch = lambda i, n: table[n][i].copy()  # noqa: E731
     ids = np.array([1, 2, 3])
-    cache.stage(ids, table["weight"][ids] + 1, (0, 1))  # not the rows the table holds
-    pinned = cache.pin(ids, (0, 2))
-    assert pinned.prepared is None and len(pinned.staged) == 1
-    assert cache.counts["prepared"] == 0
-    cache.stage(ids, table["weight"][ids] + 1, (0, 1))
-    pinned = cache.pin(ids, (0, 1))
-    assert pinned.prepared is not None and pinned.at is None
-    np.testing.assert_array_equal(cache.gather(ids, pinned).rows, table["weight"][ids] + 1)
+    for key, taken in (((0, 1), True), ((0, 2), False)):
+        cache = RowCache(SharedRows(40, 4, 4, np.float32), LRU(4, 40), fetch, None)
+        cache.stage(ids, table["weight"][ids] + 1, (0, 1))  # not the rows the table holds
+        pinned = cache.pin(ids, key)
+        assert (pinned.prepared is not None) == taken and len(pinned.staged) == (not taken)
+        if taken:
+            assert pinned.at is None
+            rows = cache.gather(ids, pinned).rows
+            np.testing.assert_array_equal(rows, table["weight"][ids] + 1)
+        assert cache.counts["prepared"] == taken
+
+
+def test_after_a_copy_no_step_could_take_the_next_steps_prepare_none_for_a_while():
+    """Two batches a step: the first step's copy goes unused, so the next PREPARE_RETRY steps
+    stage only the rows the cache lacks; then a copy is tried again."""
+    from embedpipe.cache.copies import PREPARE_RETRY
+    from embedpipe.cache.policy import LRU
+    from embedpipe.cache.rowcache import RowCache
+    from embedpipe.cache.sharedrows import SharedRows
+
+    table = {"weight": np.arange(40 * 4, dtype=np.float32).reshape(40, 4)}
+    fetch = lambda i, n: table[n][i].copy()  # noqa: E731
+    cache = RowCache(SharedRows(40, 4, 4, np.float32), LRU(4, 40), fetch, None)
+    one, two = np.array([1, 2]), np.array([3, 4])
+    step = 0
+    for _ in range(PREPARE_RETRY + 1):
+        cache.stage(one, table["weight"][one], (0, step))
+        cache.stage(two, table["weight"][two], (0, step))
+        assert (cache.prepared is not None) == (step == 0)
+        cache.pin(np.concatenate([one, two]), (0, step))
+        step += 1
+    cache.stage(one, table["weight"][one], (0, step))
+    assert cache.prepared is not None
+    assert cache.pin(one, (0, step)).prepared is not None
