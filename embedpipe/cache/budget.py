@@ -80,7 +80,7 @@ def pipe_memory(
 
     Not counted: the table's own handles and read buffers, a batch's rows while it is used, the
     copies the owner keeps of a training batch's rows and optimizer state for its step (the
-    staged rows the cache lacks, and one batch's whole working copy: ``rowcache.py``), the
+    staged rows the cache lacks, and one batch's whole working copy: ``copies.py``), the
     writeback queue, and the lookahead window's ids (``window`` batches of unique ids).
     """
     itemsize = np.dtype(dtype).itemsize

@@ -356,7 +356,7 @@ class RowCache:
             self.shared.clear(np.flatnonzero(self.shared.slot_id >= 0))
             self.policy.forget(np.arange(self.shared.cache_rows))
             self.dirty[:] = self.state_loaded[:] = self.pinned[:] = False
-            self.prepared = None
+            self.prepared, self._unprepared = None, 0
             self.clock += 1
             self.last_updated[:] = self.clock
 

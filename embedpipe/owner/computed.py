@@ -27,9 +27,11 @@ fails raises at the next call into the pipe, as before; a batch handed off meanw
 step's rows, and the loop stops at its next step.
 
 A hand-off on another thread than the steps (a loader iterated in a thread of the program's)
-may find, once it holds the lock, a later step computed since its wait, even put back: it takes
-that step's rows instead (the steps before it are written), or none if it is applied, and says
-the rows hold that step. (Found by review; the owner process serves one request at a time.)
+may find, once it holds the lock, a later step computed since its wait, even put back, or a
+snapshot loaded: so it looks again under the lock, and takes the last computed step's rows if
+that step is of this generation and not yet applied (the steps before it are written), else
+none, and says the rows hold that step. (Found by review; the owner process serves one request
+at a time.)
 
 Not with ``max_staleness`` nor with a table sharded over ranks (the other shards' rows come from
 their owners, who know nothing of this): there a hand-off may run before the step's

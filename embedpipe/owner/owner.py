@@ -186,10 +186,10 @@ class Owner:
         computed = self._wait_for_rows()
         hits, misses = item.hits, item.misses
         with self.lock:
-            if computed is not None and self._computed is not computed:  # another thread's step
-                newer = self._computed  # since: its predecessors are put back (NOTE in computed.py)
-                fresh = self.writeback.applied < newer.step and newer.generation == self.generation
-                computed = newer if fresh else None
+            if self.takes_computed_rows and self.writeback is not None:  # a step or a load since
+                newer = self._computed  # the wait, of another thread's (NOTE in computed.py)
+                fresh = newer is not None and newer.generation == self.generation
+                computed = newer if fresh and self.writeback.applied < newer.step else None
             step = self.applied_step if computed is None else computed.step  # the rows hold it
             # the rows the last step changed: taken from `computed`, and re-read from nowhere else
             changed, where = np.zeros(len(ids), dtype=bool), None

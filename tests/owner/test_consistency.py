@@ -127,21 +127,27 @@ def test_bounded_mode_never_hands_out_a_row_its_step_is_half_way_through_writing
     assert torn == 0
 
 
+def slow_table_writes(monkeypatch, seconds: float = 0.05) -> None:
+    """Each step's table write waits ``seconds`` first: its rows stay computed, not applied."""
+    from embedpipe.cache.rowcache import RowCache
+
+    write = RowCache.write_uncached
+
+    def slow_write(self, update, before):
+        time.sleep(seconds)
+        write(self, update, before)
+
+    monkeypatch.setattr(RowCache, "write_uncached", slow_write)
+
+
 def test_a_hand_off_that_a_later_step_overtakes_hands_out_that_steps_rows(tmp_path, monkeypatch):
     """A batch claimed on another thread than the steps: between its wait for step 1's computed
     rows and the owner's lock, step 2 is submitted and applied (made so here, in the wait). The
     batch must hold step 2's rows, not step 1's computed ones at a tick that says step 2."""
-    from embedpipe.cache.rowcache import RowCache
     from embedpipe.owner.owner import Owner
 
     embedpipe.Table.create(tmp_path / "t.zarr", V, D, init="zeros", chunk_rows=8).close()
-    write = RowCache.write_uncached
-
-    def slow_write(self, update, before):  # step 1 stays computed, not applied, for a while
-        time.sleep(0.05)
-        write(self, update, before)
-
-    monkeypatch.setattr(RowCache, "write_uncached", slow_write)
+    slow_table_writes(monkeypatch)  # step 1 stays computed, not applied, for a while
     data = [{"input_ids": torch.randperm(V)} for _ in range(2)]
     with EmbeddingPipe(
         tmp_path / "t.zarr", cache_rows=V, optimizer=embedpipe.optim.SGD(lr=1.0)
@@ -165,3 +171,43 @@ def test_a_hand_off_that_a_later_step_overtakes_hands_out_that_steps_rows(tmp_pa
         embeds = next(batches)["inputs_embeds"]
         assert overtaken == [1] and owner.applied_step == 2
         assert torch.equal(embeds.detach(), torch.full((1, V, D), 2.0))
+
+
+def test_a_hand_off_across_a_snapshot_load_hands_out_the_snapshots_rows(tmp_path, monkeypatch):
+    """A snapshot (step 1, every row 5.0) is loaded between a hand-off's wait for step 1's
+    computed rows and the owner's lock (another thread's load, made so here): the batch must
+    hold the snapshot's rows, and the step after it start from them."""
+    from embedpipe.owner.owner import Owner
+
+    for name in ("t", "s"):
+        embedpipe.Table.create(tmp_path / f"{name}.zarr", V, D, init="zeros", chunk_rows=8).close()
+    sgd = embedpipe.optim.SGD(lr=1.0)
+    with EmbeddingPipe(tmp_path / "s.zarr", cache_rows=V, optimizer=sgd) as pipe:
+        for batch in pipe.loader([{"input_ids": torch.arange(V)}], batch_size=1):
+            (-5 * batch["inputs_embeds"]).sum().backward()
+            pipe.step()
+        pipe.save_checkpoint(tmp_path / "snapshot")
+    slow_table_writes(monkeypatch)  # step 1 stays computed, not applied, for a while
+    data = [{"input_ids": torch.randperm(V)} for _ in range(2)]
+    with EmbeddingPipe(tmp_path / "t.zarr", cache_rows=V, optimizer=sgd) as pipe:
+        wait = Owner._wait_for_rows
+        loaded = []
+
+        def loading_wait(self):
+            computed = wait(self)
+            if computed is not None and not loaded:
+                loaded.append(computed.step)
+                pipe.load_checkpoint(tmp_path / "snapshot")
+            return computed
+
+        monkeypatch.setattr(Owner, "_wait_for_rows", loading_wait)
+        batches = iter(pipe.loader(data, batch_size=1, num_workers=1))
+        (-next(batches)["inputs_embeds"]).sum().backward()
+        pipe.step()
+        embeds = next(batches)["inputs_embeds"]
+        assert loaded == [1]
+        assert torch.equal(embeds.detach(), torch.full((1, V, D), 5.0))
+        (-embeds).sum().backward()
+        pipe.step()
+    table = embedpipe.Table.open(tmp_path / "t.zarr").to_tensor()
+    assert torch.equal(table, torch.full((V, D), 6.0))
