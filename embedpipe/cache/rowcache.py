@@ -198,9 +198,7 @@ class RowCache:
             take = {k: take_rows(v, pinned.at) for k, v in prepared.state.items()}
             return Update(ids, slots, take_rows(prepared.rows, pinned.at), take)
         rest = np.flatnonzero(slots < 0)
-        at = np.maximum(slots, 0)  # the uncached rows and state: set below
-        rows = take_rows(self.shared.rows, at)
-        state = {name: take_rows(array, at) for name, array in self.state.items()}
+        rows, state = self._cached(slots)
         if len(rest):  # the batches' staged copies first, the table for the others
             dim = rows.shape[1]
             found, staged = from_copies(
@@ -216,6 +214,12 @@ class RowCache:
                 for name in self.state:
                     state[name][lack] = self._fetch(ids[lack], name)
         return Update(ids, slots, rows, state)
+
+    def _cached(self, slots: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Copies of the rows and state in ``slots``; where a slot is -1, slot 0's, for the
+        caller to replace."""
+        at = np.maximum(slots, 0)
+        return take_rows(self.shared.rows, at), {k: take_rows(v, at) for k, v in self.state.items()}
 
     @property
     def staged_width(self) -> int:
@@ -245,13 +249,10 @@ class RowCache:
         missing = np.flatnonzero(slots < 0)
         if key is not None and not self._unprepared:
             # the cached rows from the cache (an owner process has only the others in ``rows``)
-            at = np.maximum(slots, 0)  # the uncached: set below
-            mine, state = take_rows(self.shared.rows, at), {}
+            mine, state = self._cached(slots)
             mine[missing] = rows[missing]
-            for name, array in self.state.items():
-                state[name] = take_rows(array, at)
-                if len(missing):
-                    state[name][missing] = self._fetch(ids[missing], name)
+            for name in self.state if len(missing) else ():
+                state[name][missing] = self._fetch(ids[missing], name)
             if stepped is not None:  # the last step's, which the cache may not have yet
                 mine[stepped[0]] = rows[stepped[0]]
                 for name, values in stepped[1].items():

@@ -183,13 +183,10 @@ class Owner:
         if self.counts["batches"] == 0 and self.gradient is not None:
             self.gradient.see_optimizers()  # before a hand-written warmup changes their rates
         ids = item.unique_ids
-        computed = self._wait_for_rows()
+        self._wait_for_rows()
         hits, misses = item.hits, item.misses
         with self.lock:
-            if self.takes_computed_rows and self.writeback is not None:  # a step or a load since
-                newer = self._computed  # the wait, of another thread's (NOTE in computed.py)
-                fresh = newer is not None and newer.generation == self.generation
-                computed = newer if fresh and self.writeback.applied < newer.step else None
+            computed = self._last_computed()
             step = self.applied_step if computed is None else computed.step  # the rows hold it
             # the rows the last step changed: taken from `computed`, and re-read from nowhere else
             changed, where = np.zeros(len(ids), dtype=bool), None
@@ -227,8 +224,8 @@ class Owner:
             self.cache.admit(mine, my_rows)
             if self.trains_now:  # its step reads them not again (NOTE in cache/copies.py)
                 key = (self.generation, step) if self.takes_computed_rows else None
-                new = None if where is None else {k: v[where] for k, v in computed.state.items()}
-                self.cache.stage(mine, my_rows, key, None if new is None else (changed, new))
+                new = {} if where is None else {k: v[where] for k, v in computed.state.items()}
+                self.cache.stage(mine, my_rows, key, (changed, new))
                 if self.looks_ahead:
                     self.cache.policy.hold(ids)
         self.counts["batches"] += 1
@@ -333,23 +330,23 @@ class Owner:
         step writes the table outside the lock (NOTE in ``computed.py``); else under it."""
         return self.consistency == "exact" and self.owned == (0, self.table.num_rows)
 
-    def _wait_for_rows(self) -> Computed | None:
+    def _wait_for_rows(self) -> None:
         """A hand-off's wait: as :meth:`_wait_for_steps`, but in exact mode over the whole
-        table only until the last step's rows are computed; returns them (None: every step
-        it needs is applied)."""
+        table only until the last step's rows are computed (then :meth:`_last_computed`)."""
         if not self.takes_computed_rows:
             self._wait_for_steps()
+        elif self.writeback is not None:
+            self.writeback.wait(0, computed=True)
+
+    def _last_computed(self) -> Computed | None:
+        """Under the lock, after the wait: the last step's computed rows, which the hand-off
+        takes (exact mode, this snapshot, not applied yet); None: the cache has every step.
+        Looked at here, not at the wait: another thread's step or snapshot load may come
+        between (NOTE in ``computed.py``)."""
+        exact = self.takes_computed_rows and self.writeback is not None
+        computed = self._computed if exact else None
+        if computed is None or computed.generation != self.generation:
             return None
-        if self.writeback is None:
-            return None
-        self.writeback.wait(0, computed=True)
-        computed = self._computed
-        if (
-            computed is None
-            or computed.step != self.writeback.submitted
-            or computed.generation != self.generation
-        ):
-            return None  # nothing submitted since the table was opened or loaded
         return computed if self.writeback.applied < computed.step else None
 
     def owns(self, ids: np.ndarray) -> np.ndarray | None:

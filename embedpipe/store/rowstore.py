@@ -319,13 +319,14 @@ class RawRows(ZarrRows):
         out = np.empty((len(ids), self.dim), dtype=self.dtype)  # out: (N, D)
         if len(ids) == 0:
             return out
-        order = np.argsort(ids, kind="stable")  # chunk by chunk, rows ascending in each file
+        rest = np.arange(len(ids))  # the rows to read from the files
         if self.mapped is not None:  # the rows in the owner process's window: one gather
             done, rows = self.mapped.read(ids)
             if done.all():
                 return rows.view(self.dtype)
             out[done] = rows
-            order = order[~done[order]]
+            rest = np.flatnonzero(~done)
+        order = rest[np.argsort(ids[rest], kind="stable")]  # chunk by chunk, rows ascending
         out_bytes = memoryview(out).cast("B")
         rb = self.row_bytes
         chunk_of = (ids[order] // self.chunk_rows).tolist()
