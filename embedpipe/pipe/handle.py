@@ -35,8 +35,9 @@ from .placeholder import ignore_in_ddp, offloaded_embeddings
 from .unclosed import close_when_collected
 
 CONSISTENCY = ("exact", "bounded")
-#: Where the table's owner runs: a thread of the training process, or a process of its own.
-OWNERS = ("thread", "process")
+#: Where the table's owner runs: a thread of the training process, or a process of its own;
+#: "auto": a process where the owner has work beside the loop (NOTE [ The default owner ]).
+OWNERS = ("auto", "thread", "process")
 
 
 class EmbeddingPipe:
@@ -82,10 +83,13 @@ class EmbeddingPipe:
         for the others before it raises :class:`~embedpipe.errors.PeerLostError`.
     owner:
         Where the table's owner (its cache, optimizer state, writeback and every read and write
-        of its files) runs: ``"thread"`` (default), threads of the training process;
-        ``"process"``, a process of its own that the pipe starts and stops at ``close()``, so
-        the training process keeps only the claim, ``inputs_embeds`` and the gradient
-        (``docs/service.md``). Under a process group, one owner
+        of its files) runs: ``"thread"``, threads of the training process; ``"process"``, a
+        process of its own that the pipe starts and stops at ``close()``, so the training
+        process keeps only the claim, ``inputs_embeds`` and the gradient (``docs/service.md``);
+        ``"auto"`` (default): a process when the cache holds less than the whole table, a
+        thread when it holds all of it or the pipe is frozen with no cache (what measured
+        faster beside a model, ``docs/service.md``), a thread under a process group. Under a
+        process group, ``"process"`` is one owner
         process a machine, shared by the machine's ranks and the owner of the machine's
         shard of the rows (then ``cache_rows`` is per machine). Or the address
         of a table service that outlives the job, ``"unix:PATH"`` (``embedpipe serve TABLE``):
@@ -108,7 +112,7 @@ class EmbeddingPipe:
         grad_accumulation: Any = None,
         process_group: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
-        owner: str = "thread",
+        owner: str = "auto",
     ) -> None:
         _check_options(cache_rows, consistency, max_staleness, grad_accumulation, keep, lookahead)
         if owner not in OWNERS and not is_address(owner):
@@ -124,6 +128,8 @@ class EmbeddingPipe:
             if group is None:
                 _check_one_process()
             else:
+                if owner == "auto":  # each rank owns a shard (NOTE [ The default owner ])
+                    owner = "thread"
                 if owner != "thread" and consistency != "exact":
                     raise DistributedNotSupportedError(
                         f"owner={owner!r} does not serve the ranks of a process group in "
@@ -156,6 +162,8 @@ class EmbeddingPipe:
                 padding_idx = table.metadata.get("padding_idx")
             if padding_idx is not None and not 0 <= padding_idx < table.num_rows:
                 raise ValueError(f"padding_idx must be in [0, {table.num_rows}), got {padding_idx}")
+            if owner == "auto":
+                owner = _default_owner(table.num_rows, cache_rows, optimizer)
             remote = owner != "thread"
             if optimizer is not None and (shards is None or shared):
                 table._claim(_describe_creator(), elsewhere=remote)
@@ -407,6 +415,24 @@ def _describe_creator() -> str:
         frame = frame.f_back
     where = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
     return f"an EmbeddingPipe made at {where} (pid {os.getpid()})"
+
+
+def _default_owner(num_rows: int, cache_rows: int, optimizer: Any) -> str:
+    """``owner="auto"`` of a pipe outside a process group (NOTE [ The default owner ])."""
+    has_work = cache_rows > 0 or optimizer is not None  # (a lazy frozen pipe only reads)
+    return "process" if has_work and cache_rows < num_rows else "thread"
+
+
+# NOTE [ The default owner ]
+# ms a batch beside a simulated accelerator step (T ms with the GIL released, 2 workers, D = 768,
+# Adagrad: docs/service.md), owner thread / process: 5% cache, T = 10: 42.8 / 31.0; T = 20:
+# 48-61 / 39-45; 0 workers: 41-42 / 32; frozen at 10%: 25 / 18-20; the whole table cached,
+# T = 10: 19-19.6 / 20.4-22; T = 20: 29-32 / 32-34. With a cache smaller than the table, the
+# owner's work (misses, admission, evictions and their writes, the step) takes the training
+# process's GIL from the model; in a process it runs beside it. With the whole table cached it
+# has little to do, and the round trips to a process cost more. Under a process group "auto"
+# is a thread: each rank owns a shard (docs/scale-out.md). An owner process takes ~1.3 s to
+# start the first time (an interpreter imports torch), 20-50 ms after (``service/zygote.py``).
 
 
 def _check_one_process() -> None:

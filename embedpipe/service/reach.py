@@ -1,6 +1,6 @@
 """Reaching a table's owner process from a training process: starting one of its own
-(``server.py``, or ``job.py`` for the ranks of a job), or connecting to a service that listens
-at an address (``embedpipe serve``)."""
+(``server.py``, forked by the process's zygote: ``zygote.py``; or ``job.py`` for the ranks of a
+job), or connecting to a service that listens at an address (``embedpipe serve``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 from ..errors import ServiceNotFoundError
 from .address import socket_path
 from .channel import Channel, peer_of
+from .zygote import Forked, fork_owner
 
 #: The owner process's program: ``module``'s ``main`` (not ``-m``, which would run the module a
 #: second time beside the one the package imports, and warn so on every start).
@@ -19,25 +20,46 @@ _MAIN = "import sys; from embedpipe.service.{module} import main; sys.exit(main(
 
 def start_owner(
     lock_fd: int | None, module: str = "server", *more: int
-) -> tuple[subprocess.Popen, Channel]:
-    """An owner process of this one's (``server.py``; ``job.py`` with a listening socket's
-    descriptor and the number of ranks as ``more``), lent the writer lock's descriptor."""
+) -> tuple[subprocess.Popen | Forked, Channel]:
+    """An owner process of this one's (``server.py``, forked by this process's zygote; ``job.py``
+    with a listening socket's descriptor and the number of ranks as ``more``), lent the writer
+    lock's descriptor."""
     channel, theirs = Channel.pair()
     fds = (theirs.fileno(),) + ((lock_fd,) if lock_fd is not None else ()) + more[:1]
     try:
-        process = subprocess.Popen(
-            [sys.executable, "-P", "-c", _MAIN.format(module=module), str(theirs.fileno()),
-             str(os.getpid()), *map(str, more)],
-            pass_fds=fds,
-            env=_environment(),
-            start_new_session=True,  # a Ctrl-C in the terminal is the training process's
-        )  # fmt: skip
+        if module == "server":
+            process: subprocess.Popen | Forked = fork_owner(fds, _start_zygote)
+        else:
+            process = _start(module, fds, *more)
     except BaseException:
         channel.close()
         raise
     finally:
         theirs.close()
     return process, channel
+
+
+def _start_zygote() -> tuple[subprocess.Popen, Channel]:
+    channel, theirs = Channel.pair()
+    try:
+        return _start("zygote", (theirs.fileno(),)), channel
+    except BaseException:
+        channel.close()
+        raise
+    finally:
+        theirs.close()
+
+
+def _start(module: str, fds: tuple[int, ...], *more: int) -> subprocess.Popen:
+    """``module``'s ``main`` in a new interpreter, given ``fds``, the first of them as ``FD``:
+    ``FD PARENT MORE...``."""
+    return subprocess.Popen(
+        [sys.executable, "-P", "-c", _MAIN.format(module=module), str(fds[0]), str(os.getpid()),
+         *map(str, more)],
+        pass_fds=fds,
+        env=_environment(),
+        start_new_session=True,  # a Ctrl-C in the terminal is the training process's
+    )  # fmt: skip
 
 
 def connect(address: str, table: str) -> Channel:

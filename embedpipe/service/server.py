@@ -121,8 +121,9 @@ class MachineShardOwner(ServedOwner):
 class Server:
     """Serves one training process's requests until it closes the pipe (or is gone)."""
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: Channel, lent: dict[int, int] | None = None) -> None:
         self.channel = channel
+        self.lent = lent or {}  # the training process's descriptor numbers to this process's
         self.owner: ServedOwner | None = None
         self.rings: dict[int, BatchRing] = {}
         self.later: BaseException | None = None  # the error of a request already answered
@@ -183,7 +184,8 @@ class Server:
         if m.get("shard") is not None and m["lock_fd"] is None:  # rank 0's owner holds the lock
             return Table._reader(m["path"], m["path"], "r+"), True
         if m["lock_fd"] is not None:  # the training process's Table lends its lock
-            return Table(m["path"], "r+", _lock=WriterLock.borrowed(m["path"], m["lock_fd"])), True
+            fd = self.lent.get(m["lock_fd"], m["lock_fd"])
+            return Table(m["path"], "r+", _lock=WriterLock.borrowed(m["path"], fd)), True
         return Table.open(m["path"], "r+"), True
 
     def do_open(self, m: dict[str, Any], arrays: list, fds: list) -> None:
@@ -419,7 +421,13 @@ def become_owner(fd: int, parent: int) -> Channel:
 
 def main(argv: list[str]) -> int:
     """``FD PARENT``: serve the training process at the socket ``FD``."""
-    server = Server(become_owner(int(argv[0]), int(argv[1])))
+    return serve(int(argv[0]), int(argv[1]))
+
+
+def serve(fd: int, parent: int, lent: dict[int, int] | None = None) -> int:
+    """Serve the training process at the socket ``fd``; ``lent``: the descriptors it lent, its
+    numbers to this process's (a zygote's fork has them under other numbers)."""
+    server = Server(become_owner(fd, parent), lent or {})
     try:
         server.run()
     except ChannelClosed:  # the training process is gone: leave the table at its checkpoint

@@ -12,6 +12,9 @@ from embedpipe import EmbeddingPipe
 
 from ..helpers import adagrad_reference, small_samples, small_table
 
+# owner="thread" where a test looks at or patches the owner's objects (its cache, policy,
+# writeback, RowCache): they are in this process only when the owner is a thread.
+
 LR = 0.5
 
 
@@ -67,7 +70,7 @@ def test_a_second_backward_through_one_batch_accumulates_as_torch_does(tmp_path)
 
 def test_a_scheduler_on_a_shared_group_scales_the_tables_rate(tmp_path):
     data = small_samples(2)
-    with pipe_on(tmp_path) as pipe:
+    with pipe_on(tmp_path, owner="thread") as pipe:
         dense = torch.nn.Parameter(torch.zeros(3))
         optimizer = torch.optim.SGD([dense, pipe.parameter], lr=0.1)
         torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.25)

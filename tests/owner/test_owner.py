@@ -24,6 +24,9 @@ from ..helpers import SMALL_V as V
 from ..helpers import adagrad_reference, small_table
 from ..helpers import small_samples as samples
 
+# owner="thread" where a test looks at or patches the owner's objects (its cache, policy,
+# writeback, RowCache): they are in this process only when the owner is a thread.
+
 
 @pytest.fixture
 def path(tmp_path):
@@ -84,7 +87,7 @@ def test_close_can_be_called_again_after_a_failed_commit(path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return commit(*args, **kwargs)
 
-    pipe = EmbeddingPipe(path, cache_rows=10, optimizer=sgd())
+    pipe = EmbeddingPipe(path, owner="thread", cache_rows=10, optimizer=sgd())
     train(pipe, 5)
     monkeypatch.setattr(checkpoints, "commit", full_disk_once)
     with pytest.raises(OSError, match=rf"{path}.* step 5.*No space left") as raised:

@@ -24,6 +24,9 @@ from ..helpers import (
     zipf_dataset,
 )
 
+# owner="thread" where a test looks at or patches the owner's objects (its cache, policy,
+# writeback, RowCache): they are in this process only when the owner is a thread.
+
 
 def assert_trained_as_the_reference(weight, table, reference) -> None:
     expected, _, state = reference
@@ -124,13 +127,13 @@ def test_a_prepared_step_trains_as_one_that_gathers(tmp_path, monkeypatch, optim
     data = zipf_dataset(8 * 8, seed=8)
     lr = 0.5 if optimizer == "sgd" else 0.1
     prepared, _, stats, _ = train_offloaded(
-        data, optimizer, lr=lr, path=tmp_path / "a.zarr", **PARITY
+        data, optimizer, lr=lr, path=tmp_path / "a.zarr", owner="thread", **PARITY
     )
     assert stats["prepared"] == 8
     stage = RowCache.stage
     monkeypatch.setattr(RowCache, "stage", lambda self, ids, rows, *_: stage(self, ids, rows))
     gathered, _, stats, _ = train_offloaded(
-        data, optimizer, lr=lr, path=tmp_path / "b.zarr", **PARITY
+        data, optimizer, lr=lr, path=tmp_path / "b.zarr", owner="thread", **PARITY
     )
     assert stats["prepared"] == 0
     assert torch.equal(prepared, gathered)

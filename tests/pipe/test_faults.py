@@ -26,6 +26,9 @@ from ..helpers import SMALL_V as V
 from ..helpers import adagrad_reference, small_table
 from ..helpers import small_samples as samples
 
+# owner="thread" where a test looks at or patches the owner's objects (its cache, policy,
+# writeback, RowCache): they are in this process only when the owner is a thread.
+
 
 @pytest.fixture
 def path(tmp_path):
@@ -188,7 +191,12 @@ def test_close_after_a_writeback_failure_with_a_partial_group_keeps_the_applied_
     # Bounded mode, a slow failure at step 2: the loop ends with half of group 3 pending.
     optimizer = FailingSGD(lr=1.0, fail_at=2, delay=0.5)
     pipe = EmbeddingPipe(
-        path, cache_rows=10, optimizer=optimizer, consistency="bounded", max_staleness=5
+        path,
+        owner="thread",
+        cache_rows=10,
+        optimizer=optimizer,
+        consistency="bounded",
+        max_staleness=5,
     )
     for k, batch in enumerate(pipe.loader(samples(10), batch_size=2)):  # steps 1, 2 and a half
         (-batch["inputs_embeds"]).sum().backward()
@@ -300,7 +308,7 @@ class _InterruptOncePut:
 
 @pytest.mark.timeout(60)
 def test_a_signal_inside_submit_neither_hangs_nor_loses_the_pipe(path):
-    pipe = EmbeddingPipe(path, cache_rows=10, optimizer=embedpipe.optim.SGD(lr=1.0))
+    pipe = EmbeddingPipe(path, owner="thread", cache_rows=10, optimizer=embedpipe.optim.SGD(lr=1.0))
     writeback = getattr(pipe, "_owner", pipe).writeback
     batches = iter(pipe.loader(samples(10), batch_size=2))
     (-next(batches)["inputs_embeds"]).sum().backward()
@@ -354,7 +362,9 @@ def _train_in_two_parts(path, data, split, tracer=None):
     loop would)."""
     import sys
 
-    with EmbeddingPipe(path, cache_rows=12, optimizer=embedpipe.optim.Adagrad(lr=0.5)) as pipe:
+    with EmbeddingPipe(
+        path, cache_rows=12, optimizer=embedpipe.optim.Adagrad(lr=0.5), owner="thread"
+    ) as pipe:
         done = 0
         sys.settrace(tracer)
         try:
@@ -412,7 +422,9 @@ def test_a_failed_state_write_inside_a_step_never_leaves_half_a_step(path, monke
         return write(self, ids, rows)
 
     monkeypatch.setattr(rowstore.RawRows, "write", state_write_fails_at_step_5)
-    pipe = EmbeddingPipe(path, cache_rows=0, optimizer=embedpipe.optim.Adagrad(lr=0.5))
+    pipe = EmbeddingPipe(
+        path, owner="thread", cache_rows=0, optimizer=embedpipe.optim.Adagrad(lr=0.5)
+    )
     with pytest.raises(OSError, match=r"step 5.*No space left on device") as raised:
         with pipe:
             for batch in pipe.loader(data, batch_size=2):
@@ -441,7 +453,12 @@ def test_close_gives_up_on_a_writeback_that_hangs(path):
             super().update(rows, grad, state, step, lr=lr)
 
     pipe = EmbeddingPipe(
-        path, cache_rows=10, optimizer=HangingSGD(lr=1.0), consistency="bounded", max_staleness=5
+        path,
+        owner="thread",
+        cache_rows=10,
+        optimizer=HangingSGD(lr=1.0),
+        consistency="bounded",
+        max_staleness=5,
     )
     for batch in pipe.loader(samples(6), batch_size=2):
         (-batch["inputs_embeds"]).sum().backward()
@@ -495,7 +512,9 @@ def test_a_pipe_that_cannot_commit_leaves_the_last_checkpoint_as_it_was(path, mo
         return write(self, ids, rows)
 
     monkeypatch.setattr(rowstore.RawRows, "write", full_from_step_4)
-    pipe = EmbeddingPipe(path, cache_rows=0, optimizer=embedpipe.optim.Adagrad(lr=0.5))
+    pipe = EmbeddingPipe(
+        path, owner="thread", cache_rows=0, optimizer=embedpipe.optim.Adagrad(lr=0.5)
+    )
     with pytest.raises(OSError):
         for batch in pipe.loader(samples(20), batch_size=2):
             (batch["inputs_embeds"] ** 2).sum().backward()
@@ -580,7 +599,9 @@ def test_a_full_disk_while_writing_ahead_clears_once_space_is_freed(path, monkey
         return write(self, ids, rows)
 
     monkeypatch.setattr(rowstore.RawRows, "write", full_while_asked)
-    with EmbeddingPipe(path, cache_rows=12, optimizer=embedpipe.optim.Adagrad(lr=0.5)) as pipe:
+    with EmbeddingPipe(
+        path, owner="thread", cache_rows=12, optimizer=embedpipe.optim.Adagrad(lr=0.5)
+    ) as pipe:
         with pytest.warns(RuntimeWarning, match="ahead of need failed"):
             for n, batch in enumerate(pipe.loader(data, batch_size=2)):
                 (batch["inputs_embeds"] ** 2).sum().backward()

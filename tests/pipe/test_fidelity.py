@@ -25,6 +25,10 @@ from ..helpers import slow
 V, D, SEQ, BATCH = 500, 8, 16, 8
 
 
+# owner="thread" where a test looks at or patches the owner's objects (its cache, policy,
+# writeback, RowCache): they are in this process only when the owner is a thread.
+
+
 def seed_everything(seed: int = 0) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed)
@@ -303,7 +307,7 @@ class Where(Dataset):
 def test_with_workers_the_dataset_is_never_called_in_the_training_process(tmp_path, weight):
     embedpipe.Table.from_tensor(tmp_path / "t.zarr", weight, chunk_rows=32).close()
     dataset = Where()
-    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=20) as pipe:
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", owner="thread", cache_rows=20) as pipe:
         for _ in pipe.loader(dataset, batch_size=4, shuffle=True, num_workers=2):
             pass
         assert pipe._owner.cache.policy.name == "lookahead"

@@ -14,6 +14,9 @@ from torch import nn
 import embedpipe
 
 V, D = 60, 8
+# owner="thread" where a test looks at or patches the owner's objects (its cache, policy,
+# writeback, RowCache): they are in this process only when the owner is a thread.
+
 ADAGRAD = dict(lr=0.05, initial_accumulator_value=0.1)
 
 
@@ -58,10 +61,10 @@ def reference_optimizer(model):
     return dense, adagrad
 
 
-def offloaded(tmp_path, model, name="t.zarr"):
+def offloaded(tmp_path, model, name="t.zarr", **options):
     table = embedpipe.hf.offload(model, tmp_path / name, chunk_rows=16)
     return embedpipe.EmbeddingPipe(
-        table, cache_rows=20, optimizer=embedpipe.optim.Adagrad(**ADAGRAD)
+        table, cache_rows=20, optimizer=embedpipe.optim.Adagrad(**ADAGRAD), **options
     )
 
 
@@ -143,7 +146,7 @@ def test_a_learning_rate_changed_without_a_scheduler_base_reaches_the_table(tmp_
 
 def test_an_optimizer_without_the_table_never_takes_its_gradient_and_says_so_once(tmp_path):
     model = Toy()
-    with offloaded(tmp_path, model) as pipe:
+    with offloaded(tmp_path, model, owner="thread") as pipe:
         dense = torch.optim.AdamW(model.lin.parameters(), lr=1e-2)  # not pipe.parameter
         batches = iter(pipe.loader(samples(12), batch_size=4))
         loss(model, next(batches), True).backward()

@@ -170,7 +170,7 @@ def test_a_killed_trainer_takes_its_owner_process_with_it(tmp_path):
         line = process.stdout.readline()
         assert line.startswith("pids"), line
         pids = [int(p) for p in line.split()[1:]]
-        assert len(pids) >= 4, pids  # the trainer, its owner process and 2 workers
+        assert len(pids) >= 5, pids  # the trainer, its zygote, its owner process, 2 workers
         os.kill(pids[0], signal.SIGKILL)
         process.wait(timeout=10)
         deadline = time.monotonic() + 10

@@ -27,6 +27,10 @@ from ..helpers import adagrad_reference
 V, D = 200, 8
 
 
+# owner="thread" where a test looks at or patches the owner's objects (its cache, policy,
+# writeback, RowCache): they are in this process only when the owner is a thread.
+
+
 @pytest.fixture
 def weight() -> np.ndarray:
     return np.random.default_rng(0).standard_normal((V, D), dtype=np.float32)
@@ -372,7 +376,7 @@ def test_a_load_checkpoint_that_fails_midway_commits_nothing(tmp_path, path, wei
             raise OSError(errno.ENOSPC, "No space left on device", dst)
         link_or_copy(src, dst)
 
-    with pytest.raises(OSError, match="No space left"), adagrad_pipe(path) as pipe:
+    with pytest.raises(OSError, match="No space left"), adagrad_pipe(path, owner="thread") as pipe:
         train(pipe, data[:2])
         pipe.save_checkpoint(folder)  # step 2, committed
         train(pipe, data[2:5])

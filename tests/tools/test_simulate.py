@@ -15,6 +15,9 @@ from embedpipe.tools import simulate
 from embedpipe.tools.simulate import POLICIES, batch_sets, miss_ratio_curve, rows_read
 
 # A trace worked out by hand: ids 0..6, a cache of 2 rows, 2 workers for the per-worker LRU.
+# owner="thread" where a test looks at or patches the owner's objects (its cache, policy,
+# writeback, RowCache): they are in this process only when the owner is a thread.
+
 HAND_SETS = [np.array(s, dtype=np.int64) for s in ([0, 1, 2], [0, 3], [1, 2], [0, 4], [1, 5], [0, 2], [3, 6], [0, 1])]  # fmt: skip
 HAND_ROWS, HAND_CACHE = 7, 2
 # Next uses: 0 at batches 0,1,3,5,7; 1 at 0,2,4,7; 2 at 0,2,5; 3 at 1,6; 4 at 3; 5 at 4; 6 at 6.
@@ -175,7 +178,7 @@ def pipe_rows_read(
 ) -> int:
     """A real EmbeddingPipe (frozen, num_workers=0) over the trace: its ``stats()["rows_read"]``."""
     with embedpipe.EmbeddingPipe(
-        path, cache_rows=cache_rows, policy=policy, lookahead=window
+        path, cache_rows=cache_rows, policy=policy, lookahead=window, owner="thread"
     ) as pipe:
         owner = pipe._owner
         dataset = TraceDataset(ids, batch_size, owner.cache.policy if owner.looks_ahead else None)
