@@ -203,8 +203,9 @@ class Stream:
         self.first_received = self.last_received = -1  # the child's first batch, its latest
         self.first_foreseen: int | None = None  # ... and of the first it sent in time
         self.ended, self.failure = False, None  # the child sent its last batch; its error
-        #: per claim judged (from the first batch foreseen in time): it matched a foreseen one
+        #: per claim judged (foreseen in time, from ``judged_from``): it matched a foreseen one
         self.matched: deque[bool] = deque(maxlen=JUDGED_BATCHES)
+        self.judged_from: int | None = None
         self.blind = False  # foresight kept missing (``auto``), or the child failed
         self.defer = defer
         #: per hand-off: its misses were read, when it began, how long it waited for the reader
@@ -245,21 +246,19 @@ class Stream:
 
     def claim(self, ids: np.ndarray) -> None:
         """A batch of this stream's loader is being handed off, with unique ``ids``: find it among
-        the batches in flight (the first whose foreseen ids it mostly shares: a collate or a
-        random sample may change a few), release it and every batch dispatched before it (one a
-        framework skipped, say), and make its misses read ahead :attr:`ready` for the hand-off.
-        A batch that matches none is taken to be the next in the DataLoader's order: foresight
-        that was wrong holds nothing longer than its batch is in flight."""
+        the batches in flight (the next in the DataLoader's order if it mostly shares its
+        foreseen ids, else the first that does: a collate or a random sample may change a few),
+        release it and every batch dispatched before it (one a framework skipped, say), and make
+        its misses read ahead :attr:`ready` for the hand-off. A batch that matches none, or whose
+        next in order was dispatched before foresight began, is taken to be that next: foresight
+        that was wrong holds nothing longer than its batch is in flight, and a batch alike enough
+        to another's ids (a small vocabulary) puts no later claim out of step."""
         with self.owner.lock:
             probe = ids[:: max(1, len(ids) // 64)]  # a sample: the test is about 64 ids
-            found = next(
-                (
-                    number
-                    for number, had in self.in_flight_ids
-                    if np.isin(probe, had, assume_unique=True).mean() >= 0.5
-                ),
-                None,
-            )
+            following, in_flight, found = self.claimed + 1, self.in_flight_ids, None
+            if in_flight and following >= in_flight[0][0]:  # else dispatched before foresight
+                first = sorted(in_flight, key=lambda batch: batch[0] != following)  # it, then all
+                found = next((n for n, had in first if np.isin(probe, had).mean() >= 0.5), None)
         began = time.monotonic()
         with self.wake:  # a read of its misses under way finishes first (not a later batch's)
             while found is not None and self.filling == found and not self.stopped:
@@ -268,8 +267,11 @@ class Stream:
         with self.owner.lock:  # (only this thread takes batches out of in_flight_ids)
             # the batch claimed: the one found, else the next in the DataLoader's order
             number = found if found is not None else self.claimed + 1
-            if self.first_foreseen is not None and number >= self.first_foreseen:
-                self.matched.append(found is not None)  # else dispatched before foresight began
+            if self.judged_from is None:  # the epoch's first prefetch races the child: not judged
+                self.judged_from = self.dispatched + 1
+            if self.first_foreseen is not None:  # nor a batch dispatched before foresight began
+                if number >= max(self.first_foreseen, self.judged_from):
+                    self.matched.append(found is not None)
             elif self.last_received - self.first_received >= 2 * JUDGED_BATCHES:
                 self.matched.append(False)  # the child never once got ahead: it cannot keep up
             while self.in_flight_ids and self.in_flight_ids[0][0] <= number:
@@ -286,11 +288,9 @@ class Stream:
     def _gives_up(self) -> bool:
         """``auto`` and most of the last :data:`JUDGED_BATCHES` claims matched nothing foreseen
         (the dataset's ids differ at each read, or the child cannot keep ahead)."""
-        return (
-            getattr(self.policy, "gives_up", False)
-            and len(self.matched) == self.matched.maxlen
-            and sum(self.matched) < len(self.matched) / 2
-        )
+        judged = self.matched
+        full = len(judged) == judged.maxlen
+        return getattr(self.policy, "gives_up", False) and full and sum(judged) < len(judged) / 2
 
     def _keep_up(self, ready: bool, began: float, waited: float) -> None:
         """Hand the misses back if, over the last :data:`KEEP_UP_BATCHES` hand-offs, the loop

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -358,6 +359,25 @@ def test_wrong_foresight_pins_no_row_and_grows_no_list(tmp_path, num_workers):
                 break
     assert max(in_flight) <= 6, max(in_flight)  # prefetch_factor x workers, plus one
     assert max(held[100:]) <= max(held[:100]) <= 6
+
+
+@pytest.mark.parametrize("owner", ["thread", "process"])
+def test_batches_dispatched_before_foresight_began_do_not_make_auto_give_up(tmp_path, owner):
+    """A deep prefetch (16 batches looked up before the first is handed off, all before the
+    foresight child's first) and foresight right for every batch after: lookahead stays on. It
+    gave up when those batches were judged as misses once the child had got far ahead (the
+    README's demo with an owner process: 9 of 16 judged claims, and twice the rows written)."""
+    embedpipe.Table.create(tmp_path / "t.zarr", VOCAB, 4).close()
+    data = zipf_dataset(8 * 60, seed=3)
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=VOCAB // 20, owner=owner) as pipe:
+        loader = pipe.loader(data, batch_size=8, num_workers=2, prefetch_factor=8)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*stopped looking ahead")
+            for n, batch in enumerate(loader):
+                batch["inputs_embeds"]
+                if n == 0:
+                    time.sleep(1)  # the child gets far ahead
+        assert not pipe._owner.blind
 
 
 @pytest.mark.parametrize("owner", ["thread", "process"])
