@@ -166,7 +166,7 @@ def run(args: argparse.Namespace, folder: str) -> None:
             rows = max(1, round(frac * args.vocab))
             timers.install()  # before the workers fork
             try:
-                with embedpipe.EmbeddingPipe(table, cache_rows=rows) as pipe:
+                with embedpipe.EmbeddingPipe(table, cache_rows=rows, owner="thread") as pipe:
                     loader = pipe.loader(data, batch_size=args.batch_size, **kw)
                     profile_pass(loader, timers)  # warm-up: workers started, cache filled
                     in_ram(plain, embedding)
@@ -228,7 +228,7 @@ def print_table(columns: list[tuple], args: argparse.Namespace) -> None:
 
 def print_cprofile(data: Dataset, table: str, args: argparse.Namespace) -> None:
     rows = max(1, round(args.cache_frac * args.vocab))
-    with embedpipe.EmbeddingPipe(table, cache_rows=rows) as pipe:
+    with embedpipe.EmbeddingPipe(table, cache_rows=rows, owner="thread") as pipe:
         loader = pipe.loader(data, batch_size=args.batch_size)
         for batch in loader:  # warm-up
             batch["inputs_embeds"]

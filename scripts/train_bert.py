@@ -178,9 +178,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pipe.add_argument(
         "--owner",
         choices=OWNERS,
-        default="thread",
+        default="auto",
         help="where the table's owner runs: a thread of the training process or a process of its "
-        "own (default: thread; docs/service.md)",
+        "own (default: auto, a process when the cache holds less than the table; docs/service.md)",
     )
     pipe.add_argument(
         "--max-staleness",

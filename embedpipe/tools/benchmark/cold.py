@@ -427,7 +427,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         return out
     table.close()
     out["loop_started"] = time.time()
-    with EmbeddingPipe(spec["path"], cache_rows=spec["cache_rows"]) as pipe:
+    with EmbeddingPipe(  # a thread: the cache's bytes are counted from its objects here
+        spec["path"], cache_rows=spec["cache_rows"], owner="thread"
+    ) as pipe:
         loader = pipe.loader(dataset, **kw)
         for batch in loader:  # warm-up: workers started
             batch["inputs_embeds"]

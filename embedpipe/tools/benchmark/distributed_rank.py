@@ -92,7 +92,10 @@ class PipeLoop:
 
     def __init__(self, config: dict[str, Any], data: TraceDataset, w: torch.Tensor) -> None:
         self.pipe = EmbeddingPipe(
-            config["table"], cache_rows=config["cache_rows"], optimizer=optim.SGD(lr=LR)
+            config["table"],
+            cache_rows=config["cache_rows"],
+            optimizer=optim.SGD(lr=LR),
+            owner="thread",  # each rank owns a shard (one rank: the whole table), its writeback here
         )
         self.opt = torch.optim.SGD([self.pipe.parameter], lr=LR)
         sampler = DistributedSampler(data, shuffle=False, drop_last=True)

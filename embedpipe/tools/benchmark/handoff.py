@@ -61,7 +61,7 @@ def time_handoffs(path: str, args: argparse.Namespace, policy: str, bar: tqdm) -
     """Seconds of each hand-off of one epoch through a real pipe with ``args.workers`` workers."""
     cache_rows = max(1, args.vocab // 50)
     data = RandomIds(args.vocab, args.seq_len, args.handoff_batches * args.batch_size)
-    with EmbeddingPipe(path, cache_rows=cache_rows, policy=policy) as pipe:
+    with EmbeddingPipe(path, cache_rows=cache_rows, policy=policy, owner="thread") as pipe:
         owner = pipe._owner
         seconds: list[float] = []
         hand_off = owner.hand_off

@@ -89,7 +89,9 @@ def rows_read_pipe(
     (measured: 1.08-1.13x Belady without the wait, where the reader fell behind and handed the
     misses back to the workers; 0.96x with it, or with a 20 ms step instead; the speed is the
     throughput section's)."""
-    with EmbeddingPipe(path, cache_rows=cache_rows, policy=policy, lookahead=window) as pipe:
+    with EmbeddingPipe(  # a thread: the loop waits on its reader (``stream.caught_up``)
+        path, cache_rows=cache_rows, policy=policy, lookahead=window, owner="thread"
+    ) as pipe:
         loader = pipe.loader(TraceDataset(ids), batch_size=batch_size, num_workers=num_workers)
         for batch in loader:
             stream = pipe._owner.stream
