@@ -12,6 +12,7 @@ from ..errors import ServiceNotFoundError
 from .address import socket_path
 from .channel import Channel, peer_of
 from .zygote import Forked, fork_owner
+from .zygote import available as zygote_available
 
 #: The owner process's program: ``module``'s ``main`` (not ``-m``, which would run the module a
 #: second time beside the one the package imports, and warn so on every start).
@@ -27,7 +28,7 @@ def start_owner(
     channel, theirs = Channel.pair()
     fds = (theirs.fileno(),) + ((lock_fd,) if lock_fd is not None else ()) + more[:1]
     try:
-        if module == "server":
+        if module == "server" and zygote_available():
             process: subprocess.Popen | Forked = fork_owner(fds, _start_zygote)
         else:
             process = _start(module, fds, *more)

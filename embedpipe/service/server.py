@@ -184,7 +184,7 @@ class Server:
         if m.get("shard") is not None and m["lock_fd"] is None:  # rank 0's owner holds the lock
             return Table._reader(m["path"], m["path"], "r+"), True
         if m["lock_fd"] is not None:  # the training process's Table lends its lock
-            fd = self.lent.get(m["lock_fd"], m["lock_fd"])
+            fd = self.lent[m["lock_fd"]] if self.lent else m["lock_fd"]  # (a fork's numbers)
             return Table(m["path"], "r+", _lock=WriterLock.borrowed(m["path"], fd)), True
         return Table.open(m["path"], "r+"), True
 

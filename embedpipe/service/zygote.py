@@ -3,20 +3,22 @@ takes milliseconds, not the 1.3 s a new interpreter spends importing torch and e
 
 The first owner process a training process starts also starts its zygote, an interpreter like
 the one ``reach.start_owner`` would start, which imports the owner process's modules and waits
-on a Unix socket. Each request (the owner's socket and the lent writer lock as descriptors, the
-training process's working directory) is answered with a fork: the child becomes the owner
-process (``server.serve``); the zygote closes its copies of the descriptors at once (the lock's
-open file stays the training process's and its owner's alone) and says the child's pid, then,
-once the child has ended, its exit status: the training process is not its parent, so it cannot
-wait for it (:class:`Forked` stands for ``subprocess.Popen`` there).
+on a Unix socket. Each request (a number, the owner's socket and the lent writer lock as
+descriptors, the training process's working directory) is answered with a fork: the child
+becomes the owner process (``server.serve``); the zygote closes its copies of the descriptors at
+once (the lock's open file stays the training process's and its owner's alone) and answers with
+the child's pid and a pidfd of it (taken before the child can be reaped, so it is that process
+even once its pid is reused), then, once the child has ended, its exit status, by the request's
+number: the training process is not its parent, so it cannot wait for it (:class:`Forked` stands
+for ``subprocess.Popen`` there). A thread of the training process receives the answers.
 
 The zygote ends with its training process: at the end of its socket (the training process is
-gone, or a fork of it that is not a DataLoader worker closed it), or when its parent is no
-longer the process that started it. Its owner processes end as one started directly does: at
-the end of their own connection, and when their parent (the zygote) is gone.
-
-It holds no table, no thread and no torch state: only the modules, so a fork copies nothing
-that is in use (a fork of a process with threads may copy a lock some thread held).
+gone; a forked DataLoader worker closes its copy), or when its parent is no longer the process
+that started it. Its owner processes end as one started directly does: at the end of their own
+connection, and when their parent (the zygote) is gone. It holds no table, no thread and no
+torch state, only the modules, so a fork copies nothing in use (a fork of a process with threads
+may copy a lock some thread held). Without pidfds (Linux before 5.3, not Linux) owner processes
+are started as new interpreters (``available``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import itertools
 import os
 import select
 import signal
@@ -34,44 +37,46 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
 
-from .channel import Channel, ChannelClosed
+from .channel import Channel, ChannelClosed, interrupts_held
 
 #: How often the zygote reaps its children and looks at its parent.
 POLL_SECONDS = 0.05
+#: How long a training process waits for its zygote to fork an owner (its first start included).
+FORK_SECONDS = 120.0
+
+
+class NotSent(ChannelClosed):
+    """The zygote was gone before the request reached it: no owner was forked for it."""
 
 
 class Forked:
     """An owner process forked by the zygote, as much of ``subprocess.Popen`` as the training
     process uses: ``pid``, ``poll()``, ``wait(timeout)``, ``kill()``."""
 
-    def __init__(self, zygote: Zygote, pid: int) -> None:
-        self.pid = pid
-        self.zygote = zygote
-        self.pidfd = os.pidfd_open(pid)  # signals reach this process even once its pid is reused
+    def __init__(self, zygote: Zygote, number: int, pid: int, pidfd: int) -> None:
+        self.zygote, self.number, self.pid, self.pidfd = zygote, number, pid, pidfd
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self.zygote.exit_code(self.pid, self.pidfd, 0.0)
+            self.returncode = self.zygote.exit_code(self.number, self.pidfd, 0.0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise subprocess.TimeoutExpired(f"owner process {self.pid}", timeout or 0.0)
-            self.returncode = self.zygote.exit_code(self.pid, self.pidfd, left)
+        if self.returncode is None:
+            self.returncode = self.zygote.exit_code(self.number, self.pidfd, timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(f"owner process {self.pid}", timeout or 0.0)
         return self.returncode
 
     def kill(self) -> None:
         if self.poll() is None:
-            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it has just ended
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
 
     def __del__(self) -> None:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, AttributeError):
             os.close(self.pidfd)
 
 
@@ -81,87 +86,153 @@ class Zygote:
     def __init__(self, process: subprocess.Popen, channel: Channel) -> None:
         self.process = process
         self.channel = channel
-        self.lock = threading.Lock()
-        self.exits: dict[int, int] = {}  # pid: exit status, as the zygote said
+        self.sending = threading.Lock()  # one request on the connection at a time
+        #: the answers; reentrant: a collection may close an unclosed pipe, which waits for its
+        #: owner's exit, in the middle of a wait here
+        self.state = threading.Condition(threading.RLock())
+        self.forked: dict[int, tuple[int, int] | str] = {}  # number: (pid, pidfd), or an error
+        self.exits: dict[int, int] = {}  # number: exit status, as Popen says it
+        self.abandoned: set[int] = set()  # requests no one waits for (a Ctrl-C)
         self.gone = False
+        self.numbers = itertools.count()
+        threading.Thread(target=self._receive, name="embedpipe-zygote", daemon=True).start()
 
     def fork(self, fds: tuple[int, ...]) -> Forked:
         """A new owner process, given (copies of) ``fds``; its socket is ``fds[0]``."""
-        with self.lock:
-            self.channel.send({"cwd": os.getcwd(), "fds": fds}, fds=fds)
-            while True:
-                reply = self._next(None)
-                if "pid" in reply:
-                    return Forked(self, reply["pid"])
-                if "error" in reply:
-                    raise OSError(reply["error"])
-
-    def exit_code(self, pid: int, pidfd: int, timeout: float | None) -> int | None:
-        """``pid``'s exit status once the zygote has said it (waiting up to ``timeout``), else
-        None; a process that has ended with a zygote that is gone: exit status 1 (re-parented,
-        an owner ends with that)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self.lock:
-            while pid not in self.exits:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if self.gone:
-                    ended, _, _ = select.select([pidfd], [], [], left)
-                    return 1 if ended else None
-                if self._next(left) is None:
-                    return None
-            return self.exits[pid]
-
-    def _next(self, timeout: float | None) -> dict[str, Any] | None:
-        """The zygote's next message (its exits kept in :attr:`exits`), or None after
-        ``timeout`` seconds without one."""
+        number = next(self.numbers)
         try:
-            ready, _, _ = select.select([self.channel.sock], [], [], timeout)
-            if not ready:
-                return None
-            message, _, _ = self.channel.receive()
-        except (ChannelClosed, OSError, ValueError) as e:
-            self.gone = True
-            if timeout is not None:
-                return None
-            raise ChannelClosed(
-                f"the owner processes' zygote (pid {self.process.pid}) is gone"
-            ) from e
-        if "exit" in message:
-            self.exits[message["exit"]] = message["code"]
-        return message
+            cwd = os.getcwd()
+        except FileNotFoundError:  # removed: the table's path is absolute
+            cwd = "/"
+        try:
+            with self.sending, interrupts_held():  # a Ctrl-C waits until the request is out
+                self.channel.send({"number": number, "cwd": cwd, "fds": fds}, fds=fds)
+        except ChannelClosed as e:
+            raise NotSent(str(e)) from None
+        deadline = time.monotonic() + FORK_SECONDS
+        with self.state:
+            try:
+                while number not in self.forked:
+                    left = deadline - time.monotonic()
+                    if self.gone or left <= 0:
+                        raise OSError(f"{self._describe()} forked no owner process {self._why()}")
+                    self.state.wait(min(left, 1.0))
+            except BaseException:
+                self.abandoned.add(number)  # its answer's pidfd is closed when it comes
+                self._drop_abandoned()
+                raise
+            answer = self.forked.pop(number)
+        if isinstance(answer, str):
+            raise OSError(answer)
+        return Forked(self, number, *answer)
+
+    def exit_code(self, number: int, pidfd: int, timeout: float | None) -> int | None:
+        """The exit status of the owner forked for request ``number`` once the zygote has said
+        it (waiting up to ``timeout``), else None. With the zygote gone, an owner that has ended
+        (its ``pidfd`` says so) ended re-parented: exit status 1, as an owner process does then."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.state:
+            while number not in self.exits and not self.gone:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self.state.wait(left)
+            if number in self.exits:
+                return self.exits[number]
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        return 1 if poller.poll(None if left is None else left * 1000) else None
+
+    def _receive(self) -> None:
+        """The thread that receives the zygote's answers, until it is gone."""
+        while True:
+            try:
+                message, _, fds = self.channel.receive()
+            except (ChannelClosed, OSError, ValueError):
+                with self.state:
+                    self.gone = True
+                    self.state.notify_all()
+                return
+            with self.state:
+                number = message["number"]
+                if "exit" in message:
+                    self.exits[number] = message["exit"]
+                else:
+                    self.forked[number] = (message["pid"], fds[0]) if fds else message["error"]
+                self._drop_abandoned()
+                self.state.notify_all()
+
+    def _drop_abandoned(self) -> None:
+        for number in [n for n in self.abandoned if n in self.forked]:
+            answer = self.forked.pop(number)
+            if not isinstance(answer, str):
+                os.close(answer[1])  # its owner ends with its connection, closed by the caller
+            self.abandoned.discard(number)
+
+    def _describe(self) -> str:
+        return f"the owner processes' zygote (pid {self.process.pid})"
+
+    def _why(self) -> str:
+        code = self.process.poll()
+        if code is not None:
+            return f"(it ended: exit status {code}; its error, if any, is above)"
+        return "in time" if not self.gone else "(its connection ended)"
 
     def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.channel.sock.shutdown(socket.SHUT_RDWR)  # ends it, and the receiving thread
         self.channel.close()
-        if self.process.poll() is None:
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
             self.process.kill()
-        self.process.wait()
+            self.process.wait()
 
 
 _zygote: Zygote | None = None
 _lock = threading.Lock()
+_available: bool | None = None
+
+
+def available() -> bool:
+    """Whether owner processes can be forked by a zygote here: pidfds (Linux 5.3 and later,
+    not blocked by a seccomp profile)."""
+    global _available
+    if _available is None:
+        try:
+            os.close(os.pidfd_open(os.getpid()))
+            _available = hasattr(signal, "pidfd_send_signal")
+        except (AttributeError, OSError):
+            _available = False
+    return _available
 
 
 def fork_owner(
     fds: tuple[int, ...], start: Callable[[], tuple[subprocess.Popen, Channel]]
 ) -> Forked:
     """An owner process of this process's, forked by its zygote, which ``start()`` starts at the
-    first call (and again if it is gone)."""
+    first call, and again if it was gone before the request reached it."""
     global _zygote
-    with _lock:
-        for attempt in range(2):
+    for attempt in range(2):
+        with _lock:
             if _zygote is None or _zygote.gone:
+                if _zygote is not None:
+                    _zygote.close()
                 _zygote = Zygote(*start())
-            try:
-                return _zygote.fork(fds)
-            except ChannelClosed:
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
+            zygote = _zygote
+        try:
+            return zygote.fork(fds)
+        except NotSent:
+            zygote.gone = True
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _forget_in_child() -> None:
     """A fork of the training process (a DataLoader worker) does not share its zygote: it
-    closes its copy of the socket, so that the zygote sees the end of the training process."""
+    closes its copy of the socket (only its own: the zygote sees the training process's end)."""
     global _zygote, _lock
     if _zygote is not None:
         _zygote.channel.sock.close()
@@ -187,40 +258,51 @@ def main(argv: list[str]) -> int:
     channel = Channel(socket.socket(fileno=int(argv[0])))
     parent = int(argv[1])
     gc.freeze()  # the modules' objects: shared with every fork, never walked again
-    while os.getppid() == parent:
-        for pid, code in _reaped():
-            channel.send({"exit": pid, "code": code})
-        ready, _, _ = select.select([channel.sock], [], [], POLL_SECONDS)
-        if not ready:
-            continue
-        try:
+    children: dict[int, int] = {}  # pid: the number of the request it was forked for
+    poller = select.poll()
+    poller.register(channel.sock, select.POLLIN)
+    try:
+        while os.getppid() == parent:
+            for pid, code in _reaped():
+                if pid in children:
+                    channel.send({"number": children.pop(pid), "exit": code})
+            if not poller.poll(POLL_SECONDS * 1000):
+                continue
             request, _, fds = channel.receive()
-        except ChannelClosed:
-            return 0  # the training process is gone: its owners end with their connections
-        try:
-            pid = os.fork()
-        except OSError as e:
-            channel.send({"error": f"could not fork an owner process: {e}"})
+            number = request["number"]
+            try:
+                pid = os.fork()
+            except OSError as e:
+                channel.send({"number": number, "error": f"could not fork an owner process: {e}"})
+                pid = -1
+            if pid == 0:
+                _become_owner(channel, request, fds, server.serve)
             for fd in fds:
                 os.close(fd)
-            continue
-        if pid == 0:  # the owner process, which never returns to the loop
-            code = 1
-            try:
-                channel.close()
-                os.chdir(request["cwd"])
-                code = server.serve(
-                    fds[0], os.getppid(), dict(zip(request["fds"], fds, strict=True))
-                )
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stderr.flush()
-                os._exit(code)
-        for fd in fds:
-            os.close(fd)
-        channel.send({"pid": pid})
+            if pid > 0:
+                children[pid] = number
+                pidfd = os.pidfd_open(pid)  # before it can be reaped: this very process
+                channel.send({"number": number, "pid": pid}, fds=(pidfd,))
+                os.close(pidfd)
+    except ChannelClosed:
+        pass  # the training process is gone: its owners end with their connections
     return 0
+
+
+def _become_owner(channel: Channel, request: dict, fds: list[int], serve: Callable) -> None:
+    """The forked child: the owner process, which never returns to the zygote's loop."""
+    code = 1
+    try:
+        channel.close()
+        os.chdir(request["cwd"])
+        code = serve(fds[0], os.getppid(), dict(zip(request["fds"], fds, strict=True)))
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
 
 def _reaped() -> list[tuple[int, int]]:

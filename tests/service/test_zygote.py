@@ -5,7 +5,11 @@ the training process; an owner's exit status as a child's would be."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +17,7 @@ import pytest
 import embedpipe
 from embedpipe.errors import OwnerDiedError
 from embedpipe.pipe import EmbeddingPipe
+from embedpipe.service import zygote
 
 from ..helpers import zipf_dataset
 
@@ -88,3 +93,68 @@ def test_a_killed_zygote_takes_its_owners_with_it_and_the_next_pipe_starts_anoth
         assert np.array_equal(again.table.read(np.arange(1000)), at_2)
         assert psutil.Process(again._owner.process.pid).parent().pid != zygote.pid
         train(again, steps=1)
+
+
+@pytest.fixture
+def own_zygote(monkeypatch):
+    """A zygote of the test's own, started by its first pipe (which then takes a second or so),
+    closed at its end; the suite's goes on after."""
+    monkeypatch.setattr(zygote, "_zygote", None)
+    yield
+    if zygote._zygote is not None:
+        zygote._zygote.close()
+
+
+def test_a_ctrl_c_while_the_zygote_starts_leaves_the_next_owner_in_step(tmp_path, own_zygote):
+    """SIGINT while the first pipe waits for its owner: KeyboardInterrupt, the table released;
+    the next pipe talks to the owner forked for it (the answer to the interrupted request is
+    not taken for its own), and waiting for its exit inside a wait of the zygote's (a collection
+    that closes an unclosed pipe) does not hang."""
+    path = tmp_path / "t.zarr"
+    embedpipe.Table.create(path, 1000, 8).close()
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        sgd_pipe(path)
+        time.sleep(10)  # not reached: the Ctrl-C comes while the zygote starts
+    timer.join()
+    with sgd_pipe(path) as pipe:
+        owner = pipe._owner.process
+        assert owner.pid == pipe._owner.owner_pid  # the process that opened the table
+        with zygote._zygote.state:
+            assert owner.poll() is None
+        train(pipe)
+    assert owner.wait(5) == 0
+    assert embedpipe.Table.open(path).step == 3
+
+
+def test_descriptors_past_1024_do_not_stop_an_owner_from_starting(tmp_path, own_zygote):
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this machine allows {hard} descriptors a process")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        path = tmp_path / "t.zarr"
+        embedpipe.Table.create(path, 1000, 8).close()
+        with sgd_pipe(path) as pipe:
+            assert pipe._owner.channel.fileno() > 1024
+            train(pipe)
+        assert pipe._owner.process.wait(5) == 0
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_without_pidfds_owner_processes_start_as_new_interpreters(tmp_path, monkeypatch):
+    """Linux before 5.3, or a seccomp profile that blocks pidfd_open: no zygote."""
+    monkeypatch.setattr(zygote, "_available", False)
+    path = tmp_path / "t.zarr"
+    embedpipe.Table.create(path, 1000, 8).close()
+    with sgd_pipe(path) as pipe:
+        assert isinstance(pipe._owner.process, subprocess.Popen)
+        assert psutil.Process(pipe._owner.process.pid).ppid() == os.getpid()
+        train(pipe)
+    assert embedpipe.Table.open(path).step == 3
