@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 
 from .channel import Channel, ChannelClosed, interrupts_held
@@ -57,6 +58,7 @@ class Forked:
     def __init__(self, zygote: Zygote, number: int, pid: int, pidfd: int) -> None:
         self.zygote, self.number, self.pid, self.pidfd = zygote, number, pid, pidfd
         self.returncode: int | None = None
+        weakref.finalize(self, os.close, pidfd)
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -74,10 +76,6 @@ class Forked:
         if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):  # it has just ended
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-
-    def __del__(self) -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            os.close(self.pidfd)
 
 
 class Zygote:
