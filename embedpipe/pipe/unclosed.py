@@ -54,9 +54,10 @@ def _close_unclosed(owner: Any, description: str) -> None:
     """The finalizer of a pipe dropped (or alive at exit) without close(); see the NOTE."""
     if owner.closed or owner.pid != os.getpid():  # a forked child's copy owns nothing
         return
-    if owner.writeback is not None and threading.current_thread() is owner.writeback._thread:
-        # collected by a garbage collection that ran on the writeback thread: it cannot join
-        # itself, so close from a thread of its own
+    if threading.current_thread().name.startswith("embedpipe-"):
+        # collected by a garbage collection that ran on one of embedpipe's threads (the
+        # writeback, the zygote's answers): close() may wait for that very thread, so close
+        # from a thread of its own
         threading.Thread(target=_close_unclosed, args=(owner, description)).start()
         return
     warnings.warn(

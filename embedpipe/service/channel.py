@@ -78,14 +78,15 @@ class Channel:
         prefix = _PREFIX.pack(len(header), len(fds))
         try:
             self._check()
-            self.broken = "interrupted while it sent a message"  # until the message is out
-            if fds:
+            if fds:  # one system call: it sent the prefix's first bytes, or nothing
                 rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
                 sent = self.sock.sendmsg([prefix], rights)
+                self.broken = "interrupted while it sent a message"  # until the message is out
                 if sent != len(prefix):
                     self.sock.sendall(prefix[sent:])
                 self.sock.sendall(header)
             else:
+                self.broken = "interrupted while it sent a message"
                 self.sock.sendall(prefix + header)
             for a in arrays:
                 if a.nbytes:
@@ -134,7 +135,7 @@ class Channel:
         fds: list[int] = []
         space = socket.CMSG_SPACE(16 * array.array("i").itemsize)
         try:
-            data, ancillary, _, _ = self.sock.recvmsg(_PREFIX.size, space)
+            data, ancillary, flags, _ = self.sock.recvmsg(_PREFIX.size, space)
         except ConnectionResetError as e:
             raise ChannelClosed(str(e)) from e
         for level, kind, payload in ancillary:
@@ -142,6 +143,14 @@ class Channel:
                 got = array.array("i")
                 got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
                 fds.extend(got)
+        if flags & socket.MSG_CTRUNC:  # the kernel dropped descriptors: out of step from here
+            for fd in fds:
+                os.close(fd)
+            self.broken = "sent descriptors this process could not take"
+            raise OSError(
+                "descriptors sent to this process were dropped: it has as many files open as it "
+                "may (raise the limit, `ulimit -n`, or open fewer)"
+            )
         if not data:
             raise ChannelClosed("the other process closed the connection")
         if len(data) < _PREFIX.size:

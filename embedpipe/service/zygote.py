@@ -12,9 +12,10 @@ even once its pid is reused), then, once the child has ended, its exit status, b
 number: the training process is not its parent, so it cannot wait for it (:class:`Forked` stands
 for ``subprocess.Popen`` there). A thread of the training process receives the answers.
 
-The zygote ends with its training process: at the end of its socket (the training process is
-gone; a forked DataLoader worker closes its copy), or when its parent is no longer the process
-that started it. Its owner processes end as one started directly does: at the end of their own
+The zygote ends with its training process: at once when its parent is no longer the process
+that started it; at the end of its socket (the training process is gone, or gave up on it; a
+forked DataLoader worker closes its copy) it takes no more requests and ends once the owner
+processes it forked have. They end as one started directly does: at the end of their own
 connection, and when their parent (the zygote) is gone. It holds no table, no thread and no
 torch state, only the modules, so a fork copies nothing in use (a fork of a process with threads
 may copy a lock some thread held). Without pidfds (Linux before 5.3, not Linux) owner processes
@@ -45,6 +46,8 @@ from .channel import Channel, ChannelClosed, interrupts_held
 POLL_SECONDS = 0.05
 #: How long a training process waits for its zygote to fork an owner (its first start included).
 FORK_SECONDS = 120.0
+#: How long after an owner has ended its exit status may take to come from the zygote.
+STATUS_SECONDS = 1.0
 
 
 class NotSent(ChannelClosed):
@@ -91,9 +94,10 @@ class Zygote:
         self.forked: dict[int, tuple[int, int] | str] = {}  # number: (pid, pidfd), or an error
         self.exits: dict[int, int] = {}  # number: exit status, as Popen says it
         self.abandoned: set[int] = set()  # requests no one waits for (a Ctrl-C)
-        self.gone = False
+        self.gone = False  # no more answers: its connection ended
         self.numbers = itertools.count()
-        threading.Thread(target=self._receive, name="embedpipe-zygote", daemon=True).start()
+        self.receiver = threading.Thread(target=self._receive, name="embedpipe-zygote", daemon=True)
+        self.receiver.start()
 
     def fork(self, fds: tuple[int, ...]) -> Forked:
         """A new owner process, given (copies of) ``fds``; its socket is ``fds[0]``."""
@@ -102,70 +106,98 @@ class Zygote:
             cwd = os.getcwd()
         except FileNotFoundError:  # removed: the table's path is absolute
             cwd = "/"
+        sent = False
         try:
             with self.sending, interrupts_held():  # a Ctrl-C waits until the request is out
                 self.channel.send({"number": number, "cwd": cwd, "fds": fds}, fds=fds)
+                sent = True
+            return self._forked(number)
         except ChannelClosed as e:
-            raise NotSent(str(e)) from None
+            if not sent:  # the zygote is gone (a send raises it only then)
+                raise NotSent(str(e)) from None
+            self._abandon(number)
+            raise
+        except BaseException:
+            if sent:
+                self._abandon(number)
+            raise
+
+    def _forked(self, number: int) -> Forked:
         deadline = time.monotonic() + FORK_SECONDS
         with self.state:
-            try:
-                while number not in self.forked:
-                    left = deadline - time.monotonic()
-                    if self.gone or left <= 0:
-                        raise OSError(f"{self._describe()} forked no owner process {self._why()}")
-                    self.state.wait(min(left, 1.0))
-            except BaseException:
-                self.abandoned.add(number)  # its answer's pidfd is closed when it comes
-                self._drop_abandoned()
-                raise
+            while number not in self.forked:
+                left = deadline - time.monotonic()
+                if self.gone or left <= 0:
+                    raise OSError(f"{self._describe()} forked no owner process {self._why()}")
+                self.state.wait(min(left, 1.0))
             answer = self.forked.pop(number)
         if isinstance(answer, str):
             raise OSError(answer)
         return Forked(self, number, *answer)
 
     def exit_code(self, number: int, pidfd: int, timeout: float | None) -> int | None:
-        """The exit status of the owner forked for request ``number`` once the zygote has said
-        it (waiting up to ``timeout``), else None. With the zygote gone, an owner that has ended
-        (its ``pidfd`` says so) ended re-parented: exit status 1, as an owner process does then."""
+        """The exit status of the owner forked for request ``number`` (waiting up to
+        ``timeout``), else None. Its ``pidfd`` says whether it has ended; the zygote says how,
+        within :data:`STATUS_SECONDS`, unless it is gone (or this is the thread that receives
+        what it says: a collection there may close a pipe): then 1, as an owner process exits
+        when re-parented."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self.state:
-            while number not in self.exits and not self.gone:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return None
-                self.state.wait(left)
-            if number in self.exits:
-                return self.exits[number]
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        return 1 if poller.poll(None if left is None else left * 1000) else None
+        ended_at = None
+        while True:
+            with self.state:
+                if number in self.exits:
+                    return self.exits.pop(number)
+                told = not self.gone and threading.current_thread() is not self.receiver
+            now = time.monotonic()
+            left = None if deadline is None else max(0.0, deadline - now)
+            if _ended(pidfd, 0.0):
+                ended_at = now if ended_at is None else ended_at
+                if not told or now - ended_at > STATUS_SECONDS:
+                    return 1
+            elif left == 0.0:
+                return None
+            if told:
+                with self.state:
+                    if number not in self.exits:
+                        self.state.wait(POLL_SECONDS)
+            elif not _ended(pidfd, left):
+                return None
 
     def _receive(self) -> None:
-        """The thread that receives the zygote's answers, until it is gone."""
-        while True:
-            try:
+        """The thread that receives the zygote's answers, until its connection ends."""
+        try:
+            while True:
                 message, _, fds = self.channel.receive()
-            except (ChannelClosed, OSError, ValueError):
                 with self.state:
-                    self.gone = True
+                    number = message["number"]
+                    if "exit" in message:
+                        self.exits[number] = message["exit"]
+                    elif fds:
+                        self.forked[number] = (message["pid"], fds[0])
+                    else:
+                        self.forked[number] = message.get("error", "no pidfd with the answer")
+                    self._drop_abandoned()
                     self.state.notify_all()
-                return
+        except (ChannelClosed, OSError, ValueError):
+            pass  # (what is said of the owners still running comes from their pidfds)
+        finally:
             with self.state:
-                number = message["number"]
-                if "exit" in message:
-                    self.exits[number] = message["exit"]
-                else:
-                    self.forked[number] = (message["pid"], fds[0]) if fds else message["error"]
-                self._drop_abandoned()
+                self.gone = True
                 self.state.notify_all()
 
+    def _abandon(self, number: int) -> None:
+        with self.state:
+            self.abandoned.add(number)
+            self._drop_abandoned()
+
     def _drop_abandoned(self) -> None:
+        """Answers no one waits for: their owners are killed (the lent lock's file with them)."""
         for number in [n for n in self.abandoned if n in self.forked]:
             answer = self.forked.pop(number)
             if not isinstance(answer, str):
-                os.close(answer[1])  # its owner ends with its connection, closed by the caller
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(answer[1], signal.SIGKILL)
+                os.close(answer[1])
             self.abandoned.discard(number)
 
     def _describe(self) -> str:
@@ -177,15 +209,27 @@ class Zygote:
             return f"(it ended: exit status {code}; its error, if any, is above)"
         return "in time" if not self.gone else "(its connection ended)"
 
-    def close(self) -> None:
+    def retire(self) -> None:
+        """No more requests: the zygote ends once its owner processes have (they go on)."""
         with contextlib.suppress(OSError):
             self.channel.sock.shutdown(socket.SHUT_RDWR)  # ends it, and the receiving thread
         self.channel.close()
+
+    def close(self) -> None:
+        """At exit: retire it, and wait for it (its owners have closed by then)."""
+        self.retire()
         try:
             self.process.wait(5)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def _ended(pidfd: int, timeout: float | None) -> bool:
+    """Whether the process of ``pidfd`` has ended, waiting up to ``timeout`` seconds."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else timeout * 1000))
 
 
 _zygote: Zygote | None = None
@@ -199,8 +243,12 @@ def available() -> bool:
     global _available
     if _available is None:
         try:
-            os.close(os.pidfd_open(os.getpid()))
-            _available = hasattr(signal, "pidfd_send_signal")
+            pidfd = os.pidfd_open(os.getpid())
+            try:
+                signal.pidfd_send_signal(pidfd, 0)  # (signal 0: only the right to send one)
+            finally:
+                os.close(pidfd)
+            _available = True
         except (AttributeError, OSError):
             _available = False
     return _available
@@ -216,7 +264,7 @@ def fork_owner(
         with _lock:
             if _zygote is None or _zygote.gone:
                 if _zygote is not None:
-                    _zygote.close()
+                    _zygote.retire()
                 _zygote = Zygote(*start())
             zygote = _zygote
         try:
@@ -249,7 +297,8 @@ atexit.register(_close_at_exit)
 
 # --------------------------------------------------------------------------------- the zygote
 def main(argv: list[str]) -> int:
-    """``FD PARENT``: fork owner processes on the requests that come at the socket ``FD``."""
+    """``FD PARENT``: fork owner processes on the requests that come at the socket ``FD``; at
+    its end, take no more and end once the owners forked have (or at once, re-parented)."""
     from . import server  # what every owner process imports: once, here
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the training process's
@@ -259,41 +308,60 @@ def main(argv: list[str]) -> int:
     children: dict[int, int] = {}  # pid: the number of the request it was forked for
     poller = select.poll()
     poller.register(channel.sock, select.POLLIN)
-    try:
-        while os.getppid() == parent:
+    taking = True
+    while os.getppid() == parent and (taking or children):
+        try:
             for pid, code in _reaped():
-                if pid in children:
-                    channel.send({"number": children.pop(pid), "exit": code})
-            if not poller.poll(POLL_SECONDS * 1000):
-                continue
-            request, _, fds = channel.receive()
-            number = request["number"]
-            try:
-                pid = os.fork()
-            except OSError as e:
-                channel.send({"number": number, "error": f"could not fork an owner process: {e}"})
-                pid = -1
-            if pid == 0:
-                _become_owner(channel, request, fds, server.serve)
-            for fd in fds:
-                os.close(fd)
-            if pid > 0:
-                children[pid] = number
-                pidfd = os.pidfd_open(pid)  # before it can be reaped: this very process
-                channel.send({"number": number, "pid": pid}, fds=(pidfd,))
-                os.close(pidfd)
-    except ChannelClosed:
-        pass  # the training process is gone: its owners end with their connections
+                number = children.pop(pid, None)
+                if taking and number is not None:
+                    channel.send({"number": number, "exit": code})
+            if not taking:
+                time.sleep(POLL_SECONDS)
+            elif poller.poll(POLL_SECONDS * 1000):
+                _fork(channel, children, server.serve)
+        except ChannelClosed:
+            taking = False  # the training process closed it, or is gone (its owners end then)
     return 0
 
 
-def _become_owner(channel: Channel, request: dict, fds: list[int], serve: Callable) -> None:
-    """The forked child: the owner process, which never returns to the zygote's loop."""
+def _fork(channel: Channel, children: dict[int, int], serve: Callable) -> None:
+    """Receive a request and fork its owner process; say its pid and a pidfd of it."""
+    request, _, fds = channel.receive()
+    number, me = request["number"], os.getpid()
+    try:
+        pid = os.fork()
+    except OSError as e:
+        pid, error = -1, f"could not fork an owner process: {e}"
+    if pid == 0:
+        _become_owner(channel, request, fds, me, serve)
+    for fd in fds:
+        os.close(fd)
+    if pid > 0:
+        try:
+            pidfd = os.pidfd_open(pid)  # before it can be reaped: this very process
+        except OSError as e:
+            os.kill(pid, signal.SIGKILL)
+            pid, error = -1, f"could not open a pidfd of the owner process: {e}"
+    if pid < 0:
+        channel.send({"number": number, "error": error})
+        return
+    children[pid] = number
+    try:
+        channel.send({"number": number, "pid": pid}, fds=(pidfd,))
+    finally:
+        os.close(pidfd)
+
+
+def _become_owner(
+    channel: Channel, request: dict, fds: list[int], zygote: int, serve: Callable
+) -> None:
+    """The forked child: the owner process, which never returns to the zygote's loop; it ends
+    when its parent is no longer ``zygote``."""
     code = 1
     try:
         channel.close()
         os.chdir(request["cwd"])
-        code = serve(fds[0], os.getppid(), dict(zip(request["fds"], fds, strict=True)))
+        code = serve(fds[0], zygote, dict(zip(request["fds"], fds, strict=True)))
     except BaseException:
         traceback.print_exc()
     finally:

@@ -4,6 +4,7 @@ the training process; an owner's exit status as a child's would be."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -36,6 +37,16 @@ def train(pipe: EmbeddingPipe, steps: int = 3) -> None:
         pipe.step()
         if n + 1 == steps:
             break
+
+
+@pytest.fixture
+def own_zygote(monkeypatch):
+    """A zygote of the test's own, started by its first pipe (which then takes a second or so),
+    closed at its end; the suite's goes on after."""
+    monkeypatch.setattr(zygote, "_zygote", None)
+    yield
+    if zygote._zygote is not None:
+        zygote._zygote.close()
 
 
 def test_owner_processes_are_forks_of_one_zygote_that_keeps_no_descriptor_of_theirs(tmp_path):
@@ -72,7 +83,9 @@ def test_owner_processes_are_forks_of_one_zygote_that_keeps_no_descriptor_of_the
         table.close()
 
 
-def test_a_killed_zygote_takes_its_owners_with_it_and_the_next_pipe_starts_another(tmp_path):
+def test_a_killed_zygote_takes_its_owners_with_it_and_the_next_pipe_starts_another(
+    tmp_path, own_zygote
+):
     """SIGKILL of the zygote: its owner processes end (re-parented), the training process
     raises naming the checkpoint, and the next pipe forks its owner from a new zygote."""
     path = tmp_path / "t.zarr"
@@ -95,16 +108,6 @@ def test_a_killed_zygote_takes_its_owners_with_it_and_the_next_pipe_starts_anoth
         train(again, steps=1)
 
 
-@pytest.fixture
-def own_zygote(monkeypatch):
-    """A zygote of the test's own, started by its first pipe (which then takes a second or so),
-    closed at its end; the suite's goes on after."""
-    monkeypatch.setattr(zygote, "_zygote", None)
-    yield
-    if zygote._zygote is not None:
-        zygote._zygote.close()
-
-
 def test_a_ctrl_c_while_the_zygote_starts_leaves_the_next_owner_in_step(tmp_path, own_zygote):
     """SIGINT while the first pipe waits for its owner: KeyboardInterrupt, the table released;
     the next pipe talks to the owner forked for it (the answer to the interrupted request is
@@ -121,8 +124,8 @@ def test_a_ctrl_c_while_the_zygote_starts_leaves_the_next_owner_in_step(tmp_path
     with sgd_pipe(path) as pipe:
         owner = pipe._owner.process
         assert owner.pid == pipe._owner.owner_pid  # the process that opened the table
-        with zygote._zygote.state:
-            assert owner.poll() is None
+        with zygote._zygote.state, pytest.raises(subprocess.TimeoutExpired):
+            owner.wait(0.2)  # a wait inside a wait (a collection closing an unclosed pipe)
         train(pipe)
     assert owner.wait(5) == 0
     assert embedpipe.Table.open(path).step == 3
@@ -134,7 +137,10 @@ def test_descriptors_past_1024_do_not_stop_an_owner_from_starting(tmp_path, own_
     if hard != resource.RLIM_INFINITY and hard < 1200:
         pytest.skip(f"this machine allows {hard} descriptors a process")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
-    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    gc.collect()  # pidfds and sockets of earlier tests closed now, not in the middle
+    held = [os.open(os.devnull, os.O_RDONLY)]
+    while held[-1] < 1100:  # every number below taken: the pipe's are above 1024
+        held.append(os.open(os.devnull, os.O_RDONLY))
     try:
         path = tmp_path / "t.zarr"
         embedpipe.Table.create(path, 1000, 8).close()
@@ -158,3 +164,24 @@ def test_without_pidfds_owner_processes_start_as_new_interpreters(tmp_path, monk
         assert psutil.Process(pipe._owner.process.pid).ppid() == os.getpid()
         train(pipe)
     assert embedpipe.Table.open(path).step == 3
+
+
+def test_a_zygote_given_up_on_keeps_its_owners_running(tmp_path, own_zygote):
+    """The thread that receives a zygote's answers ended (an error there): the next pipe starts
+    a new zygote; the old one takes no more requests, its owner trains and closes as before, and
+    it ends once that owner has."""
+    a, b = tmp_path / "a.zarr", tmp_path / "b.zarr"
+    for path in (a, b):
+        embedpipe.Table.create(path, 1000, 8).close()
+    first = sgd_pipe(a)
+    train(first, steps=1)
+    old = zygote._zygote
+    with old.state:
+        old.gone = True
+    with sgd_pipe(b) as second:
+        assert zygote._zygote is not old
+        train(second)
+    train(first, steps=2)
+    first.close()
+    assert embedpipe.Table.open(a).step == 3 and embedpipe.Table.open(b).step == 3
+    assert old.process.wait(5) == 0
