@@ -258,7 +258,7 @@ class Stream:
             following, in_flight, found = self.claimed + 1, self.in_flight_ids, None
             if in_flight and following >= in_flight[0][0]:  # else dispatched before foresight
                 first = sorted(in_flight, key=lambda batch: batch[0] != following)  # it, then all
-                found = next((n for n, had in first if np.isin(probe, had).mean() >= 0.5), None)
+                found = next((n for n, f in first if np.isin(probe, f, True).mean() >= 0.5), None)
         began = time.monotonic()
         with self.wake:  # a read of its misses under way finishes first (not a later batch's)
             while found is not None and self.filling == found and not self.stopped:

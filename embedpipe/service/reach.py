@@ -7,12 +7,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from functools import partial
+from typing import TypeVar
 
 from ..errors import ServiceNotFoundError
 from .address import socket_path
 from .channel import Channel, peer_of
 from .zygote import Forked, fork_owner
 from .zygote import available as zygote_available
+
+P = TypeVar("P")
 
 #: The owner process's program: ``module``'s ``main`` (not ``-m``, which would run the module a
 #: second time beside the one the package imports, and warn so on every start).
@@ -25,25 +30,24 @@ def start_owner(
     """An owner process of this one's (``server.py``, forked by this process's zygote; ``job.py``
     with a listening socket's descriptor and the number of ranks as ``more``), lent the writer
     lock's descriptor."""
-    channel, theirs = Channel.pair()
-    fds = (theirs.fileno(),) + ((lock_fd,) if lock_fd is not None else ()) + more[:1]
-    try:
-        if module == "server" and zygote_available():
-            process: subprocess.Popen | Forked = fork_owner(fds, _start_zygote)
-        else:
-            process = _start(module, fds, *more)
-    except BaseException:
-        channel.close()
-        raise
-    finally:
-        theirs.close()
-    return process, channel
+    lent = ((lock_fd,) if lock_fd is not None else ()) + more[:1]
+    if module == "server" and zygote_available():
+        return _with_channel(lambda fds: fork_owner(fds, _start_zygote), lent)
+    return _with_channel(lambda fds: _start(module, fds, *more), lent)
 
 
 def _start_zygote() -> tuple[subprocess.Popen, Channel]:
+    return _with_channel(partial(_start, "zygote"))
+
+
+def _with_channel(
+    start: Callable[[tuple[int, ...]], P], lent: tuple[int, ...] = ()
+) -> tuple[P, Channel]:
+    """``start(fds)``'s process, given the other end of a new channel as ``fds[0]`` and
+    ``lent`` after it; and the channel."""
     channel, theirs = Channel.pair()
     try:
-        return _start("zygote", (theirs.fileno(),)), channel
+        return start((theirs.fileno(), *lent)), channel
     except BaseException:
         channel.close()
         raise

@@ -427,7 +427,7 @@ def main(argv: list[str]) -> int:
 def serve(fd: int, parent: int, lent: dict[int, int] | None = None) -> int:
     """Serve the training process at the socket ``fd``; ``lent``: the descriptors it lent, its
     numbers to this process's (a zygote's fork has them under other numbers)."""
-    server = Server(become_owner(fd, parent), lent or {})
+    server = Server(become_owner(fd, parent), lent)
     try:
         server.run()
     except ChannelClosed:  # the training process is gone: leave the table at its checkpoint

@@ -112,14 +112,11 @@ class Zygote:
                 self.channel.send({"number": number, "cwd": cwd, "fds": fds}, fds=fds)
                 sent = True
             return self._forked(number)
-        except ChannelClosed as e:
-            if not sent:  # the zygote is gone (a send raises it only then)
-                raise NotSent(str(e)) from None
-            self._abandon(number)
-            raise
-        except BaseException:
+        except BaseException as e:
             if sent:
                 self._abandon(number)
+            elif isinstance(e, ChannelClosed):  # the zygote is gone (a send raises it only then)
+                raise NotSent(str(e)) from None
             raise
 
     def _forked(self, number: int) -> Forked:
@@ -129,7 +126,7 @@ class Zygote:
                 left = deadline - time.monotonic()
                 if self.gone or left <= 0:
                     raise OSError(f"{self._describe()} forked no owner process {self._why()}")
-                self.state.wait(min(left, 1.0))
+                self.state.wait(left)
             answer = self.forked.pop(number)
         if isinstance(answer, str):
             raise OSError(answer)

@@ -97,7 +97,8 @@ def test_a_killed_zygote_takes_its_owners_with_it_and_the_next_pipe_starts_anoth
     owner = pipe._owner.process
     zygote = psutil.Process(owner.pid).parent()
     zygote.kill()
-    assert owner.wait(5) is not None  # ended within seconds
+    owner.wait(30)  # it ends by itself, re-parented (else TimeoutExpired)
+    assert not psutil.pid_exists(owner.pid) or psutil.Process(owner.pid).status() == "zombie"
     with pytest.raises(OwnerDiedError, match="step 2"):
         train(pipe, steps=2)
     pipe.close()
