@@ -275,15 +275,16 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("owner", ["thread", "process"])  # (the default: a process here)
 @pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", list(CASES))
 def test_datasets_and_samplers_people_write_see_the_same_batches(
-    tmp_path, weight, case, num_workers
+    tmp_path, weight, case, num_workers, owner
 ):
     dataset, options = CASES[case]()
     expected = reference(dataset, weight, num_workers, **options)
     dataset, options = CASES[case]()  # fresh samplers: their state is part of the run
-    got = offloaded(dataset, tmp_path / "t.zarr", weight, num_workers, 20, "auto", **options)
+    got = offloaded(dataset, tmp_path / "t.zarr", weight, num_workers, 20, "auto", owner, **options)
     same_runs(got, expected)
     assert torch.equal(got[0], expected[0])
 
