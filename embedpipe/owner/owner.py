@@ -52,6 +52,12 @@ from .gradient import TableGradient, refuse_non_finite, without_padding
 from .lookahead import Ahead, Stream
 from .writeback import Writeback
 
+#: The owner's counters (``stats()``); ``relookups``: batches whose ids were edited in place
+#: after their lookup; ``remote_rows``, ``served_rows``: a sharded pipe's rows from other ranks,
+#: and to them.
+COUNTS = ("batches", "hits", "misses", "deferred", "filled_ahead", "refreshed", "relookups",
+          "ring_overruns", "remote_rows", "served_rows")  # fmt: skip
+
 
 def take_options(
     owner: Any, table: Table, optimizer: RowOptimizer | None, options: dict[str, Any], owns: bool
@@ -68,8 +74,7 @@ def take_options(
     owner.check_finite = options["check_finite"]
     owner.owns_table = owns
     owner.pid = os.getpid()  # a forked child inherits a copy of the owner, and owns nothing
-    #: Workers read the shared cache and clock themselves, unless this CPU cannot order
-    #: those reads (``ordering.py``): then the hand-off copies every row.
+    #: Workers read the shared cache, unless this CPU cannot order that (``ordering.py``)
     owner.workers_read_shared = ordering.MODE != "owner"
     owner.closed = False
     owner.generation = 0  # snapshots loaded: step numbers restart, batches claimed before are stale
@@ -103,21 +108,7 @@ class Owner:
             self.gradient = TableGradient(
                 table.dim, optimizer.lr, self.check_step, self.submit, parameter
             )
-        self.counts = dict.fromkeys(
-            (
-                "batches",
-                "hits",
-                "misses",
-                "deferred",
-                "filled_ahead",
-                "refreshed",
-                "relookups",  # batches whose ids were edited in place after their lookup
-                "ring_overruns",
-                "remote_rows",  # a sharded pipe's rows from other ranks, and served to them
-                "served_rows",
-            ),
-            0,
-        )
+        self.counts = dict.fromkeys(COUNTS, 0)
         self._step_in_progress: int | None = None  # for the messages of failed table writes
         self._computed: Computed | None = None  # the last step's rows, once computed
         #: The policy sees the loader's next batches (``lookahead.py``); ``stream`` feeds it.
@@ -141,9 +132,8 @@ class Owner:
         return self.gradient is not None and self.gradient.parameter.requires_grad
 
     def before_lookup(self) -> None:
-        """Called before a lookup that runs in the training loop (``num_workers=0``): in exact
-        mode, waiting for the steps submitted so far costs no more than waiting at the claim,
-        and the lookup then reads no row it must read again."""
+        """Before a lookup in the training loop (``num_workers=0``), in exact mode: wait for the
+        steps submitted (no dearer than at the claim), so the lookup reads no row twice."""
         if self.writeback is not None and self.consistency == "exact":
             self.writeback.wait()
 
@@ -156,12 +146,9 @@ class Owner:
         return self.hand_off(item, rows, pin)
 
     def hand_off(self, item: LookedUp, rows: np.ndarray | None, pin: bool = False) -> EmbeddedBatch:
-        """The batch of a worker's lookup (main thread).
-
-        ``rows`` is the batch's copy of its unique rows, or None when the owner must read them
-        itself (its ring slot was overwritten, or workers do not read shared memory on this CPU);
-        ``pin`` puts them in pinned memory. The rows are made final by :meth:`final_rows`.
-        """
+        """The batch of a worker's lookup (main thread): ``rows``, its copy of its unique rows
+        (None: the owner reads them, its ring slot was overwritten or workers do not read shared
+        memory on this CPU), made final by :meth:`final_rows`; ``pin``: in pinned memory."""
         rows, step, tick = self.final_rows(item, rows)
         return EmbeddedBatch._handed_off(item, rows, self, pin, step, tick, self.generation)
 
@@ -173,18 +160,20 @@ class Owner:
     ) -> tuple[np.ndarray, int, int]:
         """A lookup's rows as of the steps applied so far, with their step and clock tick.
 
-        Waits for the writeback as the consistency mode requires, re-reads the rows that changed
-        since the lookup began, then admits the misses; ``deliver(rows, stale, step, tick)`` runs
-        once the rows are final, before the admission (an owner process sends them then, so the
-        admission runs while the training process goes on); ``stale``: the positions re-read,
-        or None when the owner read every row.
+        Reads the misses left to the owner and re-reads the rows changed since the lookup began,
+        then waits for the writeback as the consistency mode requires (NOTE [ A hand-off reads
+        while the step computes ] in ``computed.py``), re-reads what changed meanwhile, admits
+        the misses; ``deliver(rows, stale, step, tick)`` runs once the rows are final, before the
+        admission (an owner process sends them then: the admission runs while the training
+        process goes on); ``stale``: the positions re-read, or None when the owner read them all.
         """
         self.check_open()
         if self.counts["batches"] == 0 and self.gradient is not None:
             self.gradient.see_optimizers()  # before a hand-written warmup changes their rates
         ids = item.unique_ids
-        self._wait_for_rows()
-        hits, misses = item.hits, item.misses
+        with self.lock:
+            rows, newer, read_at, hits, misses = self._read_rows(item, rows)
+        self._wait_for_rows()  # in exact mode, the reads above ran while the last step computed
         with self.lock:
             computed = self._last_computed()
             step = self.applied_step if computed is None else computed.step  # the rows hold it
@@ -192,29 +181,18 @@ class Owner:
             changed, where = np.zeros(len(ids), dtype=bool), None
             if computed is not None:
                 changed, where = computed.find(ids)
-            stale = None
-            if rows is None:
-                if item.lookup_step >= 0:
-                    self.counts["ring_overruns"] += 1
-                else:  # the owner does the lookup: count it here, its misses as the owner's
-                    hits = int((self.shared.slot_of[ids] >= 0).sum())
-                    misses = len(ids) - hits
-                    self.counts["deferred"] += misses  # read (and counted) by current()
-                rows = self.cache.current(ids)
-            else:
-                if item.deferred is not None and len(item.deferred):
-                    self._read_deferred(ids, rows, item.deferred)
-                newer = self.cache.last_updated[ids] > item.lookup_step
-                again = np.flatnonzero(newer & ~changed)
-                if len(again):
-                    rows[again] = self.cache.current(ids[again])
-                stale = np.flatnonzero(newer | changed)
-                self.counts["refreshed"] += len(stale)
+            since = self.cache.last_updated[ids] > read_at  # steps applied since (or a load)
+            again = np.flatnonzero(since & ~changed)
+            rows[again] = self.cache.current(ids[again])
+            stale = None if newer is None else np.flatnonzero(newer | since | changed)
+            self.counts["refreshed"] += 0 if stale is None else len(stale)
             if where is not None:
                 rows[changed] = computed.rows[where]
             tick = self.cache.clock
             if deliver is not None:
                 deliver(rows, stale, step, tick)
+            if self.writeback is not None:
+                self.writeback.handed_off(step)  # its writes go on now (NOTE in writeback.py)
             if self.looks_ahead:
                 self.cache.policy.training = self.trains_now
             mine, my_rows = ids, rows
@@ -232,6 +210,28 @@ class Owner:
         self.counts["hits"] += hits
         self.counts["misses"] += misses
         return rows, step, tick
+
+    def _read_rows(
+        self, item: LookedUp, rows: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray | None, int, int, int]:
+        """Under the lock: a lookup's rows as of the steps applied now, which were re-read (None:
+        all were read here), the clock tick they are at, and the lookup's hits and misses."""
+        ids, hits, misses, newer = item.unique_ids, item.hits, item.misses, None
+        if rows is None:
+            if item.lookup_step >= 0:
+                self.counts["ring_overruns"] += 1
+            else:  # the owner does the lookup: count it here, its misses as the owner's
+                hits = int((self.shared.slot_of[ids] >= 0).sum())
+                misses = len(ids) - hits
+                self.counts["deferred"] += misses  # read (and counted) by current()
+            rows = self.cache.current(ids)
+        else:
+            if item.deferred is not None and len(item.deferred):
+                self._read_deferred(ids, rows, item.deferred)
+            newer = self.cache.last_updated[ids] > item.lookup_step
+            again = np.flatnonzero(newer)
+            rows[again] = self.cache.current(ids[again])
+        return rows, newer, self.cache.clock, hits, misses
 
     def relookup(self, batch: EmbeddedBatch, ids: torch.Tensor) -> None:
         """``batch``'s ids were edited in place after its rows were looked up: gather the rows
@@ -400,6 +400,8 @@ class Owner:
             update_in_float32(self.optimizer, work.rows, work.state, grad, step, lr)
             self._computed = Computed(step, ids, work.rows, self.generation, work.state)
             self.writeback.computed_now(step)  # a hand-off waiting for this step goes on
+            if self.takes_computed_rows:  # NOTE [ A step's writes wait for the hand-off after it ]
+                self.writeback.hold(step)
             self._step_in_progress = step
             outside = self.takes_computed_rows  # else a hand-off must not see rows half-written
             if outside:

@@ -20,6 +20,19 @@ A signal (Ctrl-C in a notebook during optimizer.step()) can land between any two
 ``SimpleQueue.put`` (C code: done or not done); an interruption in between leaves a step counted
 that never reaches the queue. :meth:`wait` notices, once the thread has found the queue empty
 after the wait began, and takes the count back, with a warning, instead of waiting forever.
+
+NOTE [ A step's writes wait for the hand-off after it ]
+In exact mode the next batch's hand-off needs a step's new rows, not its writes (the owner's
+NOTE [ A hand-off waits for the step's rows, not its writes ]). Written at once, the rows the
+step takes out of the cache (put back into slots, written to the table for those not cached)
+compete with that hand-off for the owner's GIL and for the CPUs, exactly while the training
+process waits for it. So once ``apply`` has the rows computed it calls :meth:`Writeback.hold`,
+which waits until a hand-off has taken them (:meth:`handed_off`), and not past the first of: a
+step queued behind, a thread waiting for applied steps (:meth:`wait`: a checkpoint, a refresh,
+close), or :data:`HOLD_SECONDS`. The writes then run while the model computes. Nothing else
+changes: the step is applied in the same order, before the next one, with the same rows.
+Measured beside a simulated accelerator (2 cores, owner process, 5% cache): the batch's wait
+for its rows shrank from 14.6 to 10-12 ms (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -39,6 +52,8 @@ from ..errors import TableWriteError, WritebackError
 POLL_SECONDS = 0.05
 #: How long the idle thread blocks on the queue before it looks again (and counts an idle poll).
 IDLE_SECONDS = 0.2
+#: The longest a computed step's writes wait for the hand-off after it (NOTE above).
+HOLD_SECONDS = 0.05
 #: close() gives up on a thread that has applied nothing for this long.
 STALL_SECONDS = 120.0
 
@@ -82,6 +97,10 @@ class Writeback:
         #: the step whose new rows are computed, not yet in the cache and the table (``apply``
         #: says so through :meth:`computed_now`; the owner's hand-off may take them from there)
         self.computed = step
+        #: the last step whose rows a hand-off took (NOTE [ A step's writes wait for the
+        #: hand-off after it ]), and the threads now waiting for applied steps
+        self.handed = step
+        self._waiting = 0
         self.stall_seconds = STALL_SECONDS
         self._idle_polls = 0  # times the thread found the queue empty for IDLE_SECONDS
         self._error: tuple[int, BaseException] | None = None
@@ -100,6 +119,7 @@ class Writeback:
         self.raise_error()
         self.submitted += 1
         self._queue.put(GradBatch(ids, grad, self.submitted, lr))
+        self._wake()  # a step held for a hand-off goes on: this one follows it
         return self.submitted
 
     def computed_now(self, step: int) -> None:
@@ -107,6 +127,28 @@ class Writeback:
         ``computed=True`` ends now, before they are written."""
         with self._applied:
             self.computed = step
+            self._applied.notify_all()
+
+    def handed_off(self, step: int) -> None:
+        """A hand-off took the rows of ``step`` (and every step before): its writes may go on."""
+        with self._applied:
+            self.handed = max(self.handed, step)
+            self._applied.notify_all()
+
+    def hold(self, step: int) -> None:
+        """Called by ``apply`` (the thread) once ``step``'s rows are computed, before they are
+        written: wait for the hand-off that takes them (NOTE [ A step's writes wait for the
+        hand-off after it ])."""
+        deadline = time.monotonic() + HOLD_SECONDS
+        with self._applied:
+            while self.handed < step and not self._waiting and self._queue.empty():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._applied.wait(left)
+
+    def _wake(self) -> None:
+        with self._applied:
             self._applied.notify_all()
 
     def wait(self, behind: int = 0, timeout: float | None = None, computed: bool = False) -> None:
@@ -117,19 +159,28 @@ class Writeback:
         waited = 0.0
         with self._applied:
             polls = self._idle_polls
-            while self.applied < target and not (computed and self.computed >= target):
-                self.raise_error()
-                if not self._thread.is_alive():
-                    raise WritebackError("the writeback thread has stopped; the pipe was closed")
-                if self._idle_polls > polls + 1 and self._queue.empty():
-                    self._forget_unqueued()
-                    return
-                if timeout is not None and waited >= timeout:
-                    raise TimeoutError(
-                        f"writeback still {self.applied}/{target} steps after {timeout}s"
-                    )
-                self._applied.wait(POLL_SECONDS)
-                waited += POLL_SECONDS
+            if not computed:  # a step held for a hand-off goes on now
+                self._waiting += 1
+                self._applied.notify_all()
+            try:
+                while self.applied < target and not (computed and self.computed >= target):
+                    self.raise_error()
+                    if not self._thread.is_alive():
+                        raise WritebackError(
+                            "the writeback thread has stopped; the pipe was closed"
+                        )
+                    if self._idle_polls > polls + 1 and self._queue.empty():
+                        self._forget_unqueued()
+                        return
+                    if timeout is not None and waited >= timeout:
+                        raise TimeoutError(
+                            f"writeback still {self.applied}/{target} steps after {timeout}s"
+                        )
+                    self._applied.wait(POLL_SECONDS)
+                    waited += POLL_SECONDS
+            finally:
+                if not computed:
+                    self._waiting -= 1
         self.raise_error()
 
     def _forget_unqueued(self) -> None:
@@ -166,6 +217,7 @@ class Writeback:
         """
         if self._thread.is_alive():
             self._queue.put(Stop())
+            self._wake()
             last, since = self.applied, time.monotonic()
             while self._thread.is_alive():
                 self._thread.join(POLL_SECONDS)
@@ -185,6 +237,7 @@ class Writeback:
         (not: a table write hangs)."""
         self._dropping = True
         self._queue.put(Stop())
+        self._wake()
         self._thread.join(seconds)
         return not self._thread.is_alive()
 
