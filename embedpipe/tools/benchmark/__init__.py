@@ -96,6 +96,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=integer(1), default=2, help="DataLoader workers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--torch-threads",
+        type=integer(0),
+        default=1,
+        help="torch's intra-op threads in the training process, for every loop (0: torch's own "
+        "default, one a core, whose pool spins after each parallel op and takes cores from "
+        "the workers and an owner process)",
+    )
+    p.add_argument(
         "--quick", action="store_true", help="every section, smaller: under 10 minutes on 2 cores"
     )
     p.add_argument(
@@ -120,6 +128,7 @@ def environment() -> dict[str, Any]:
         # not platform.platform(): it runs `uname -p` in a child, which would count as a worker
         "platform": f"{platform.system()} {platform.release()} {platform.machine()}",
         "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),  # the training process's (``--torch-threads``)
         "torch": torch.__version__,
         "numpy": np.__version__,
         "zarr": zarr.__version__,
@@ -149,7 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         apply_quick(args, SECTIONS)
     started = time.perf_counter()
-    torch.set_num_threads(1)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     results: dict[str, Any] = {"env": environment(), "args": vars(args), "sections": {}}
     results["peak_rss"], results["section_seconds"] = {}, {}
     workdir = tempfile.mkdtemp(prefix="embedpipe-bench-", dir=args.dir)
