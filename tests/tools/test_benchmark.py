@@ -11,6 +11,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from embedpipe.tools import benchmark
 from embedpipe.tools.benchmark import distributed, options
@@ -117,10 +118,15 @@ def test_every_section_and_target(tmp_path, capsys, words):
 
 
 def test_skipped_sections_are_not_measured(tmp_path, capsys):
-    result, text = run(
-        tmp_path, capsys, "--skip", "rows", "handoff", "throughput", "tokenized", "accelerator",
-        "model", "cold",
-    )  # fmt: skip
+    before = torch.get_num_threads()
+    try:
+        result, text = run(
+            tmp_path, capsys, "--skip", "rows", "handoff", "throughput", "tokenized",
+            "accelerator", "model", "cold", "--torch-threads", "3",
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    assert result["env"]["torch_threads"] == 3  # the loops ran on 3 of torch's threads
     assert set(result["sections"]) == {"memory"}
     assert all(t["measured"] is None and t["met"] is None for t in result["targets"])
     assert "not measured" in text and "### Rows read" not in text
