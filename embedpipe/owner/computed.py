@@ -33,6 +33,11 @@ that step is of this generation and not yet applied (the steps before it are wri
 none, and says the rows hold that step. (Found by review; the owner process serves one request
 at a time.)
 
+Not with ``max_staleness`` nor with a table sharded over ranks (the other shards' rows come from
+their owners, who know nothing of this): there a hand-off may run before the step's
+``last_updated`` moves and would not re-read a row the step is half way through writing, so the
+step writes the table under the owner's lock, as before (``Owner.takes_computed_rows``).
+
 NOTE [ A hand-off reads while the step computes ]
 The hand-off of batch t+1 arrives while step t computes, and most of what it reads does not
 depend on step t: the misses left to the owner, the rows steps before t changed since the lookup.
@@ -41,13 +46,10 @@ core, an owner process's reads overlap the step's arithmetic). Under the lock ag
 the rows whose ``last_updated`` passed that tick (steps applied meanwhile; a snapshot load moves
 every row's) and takes those of the last computed step from it, as above. A read of the first
 pass can be torn only where a step's table write is under way, and that step is then either
-applied since (re-read) or the last computed (taken from it). Measured beside a simulated
-accelerator (owner process, 5% cache, 2 cores): docs/benchmarks.md.
-
-Not with ``max_staleness`` nor with a table sharded over ranks (the other shards' rows come from
-their owners, who know nothing of this): there a hand-off may run before the step's
-``last_updated`` moves and would not re-read a row the step is half way through writing, so the
-step writes the table under the owner's lock, as before (``Owner.takes_computed_rows``).
+applied since (re-read) or the last computed (taken from it). In bounded mode and for a rank's
+shard the steps write under the lock, so the first pass reads whole rows there too. The rows
+re-read in the second pass are among those an owner process sends back (``stale``). Measured
+beside a simulated accelerator (owner process, 5% cache, 2 cores): docs/benchmarks.md.
 """
 
 from __future__ import annotations

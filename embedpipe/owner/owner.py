@@ -138,8 +138,7 @@ class Owner:
             self.writeback.wait()
 
     def claim(self, item: LookedUp, ring: BatchRing | None, pin: bool) -> EmbeddedBatch:
-        """Claim a worker's lookup as the batch the loop sees (main thread): its rows from its
-        ring slot (or the item itself, when they did not fit), then :meth:`hand_off`."""
+        """A worker's lookup as the loop's batch: its ring slot's rows, then :meth:`hand_off`."""
         rows = item.rows
         if item.slot >= 0 and ring is not None:
             rows = ring.read(item.slot, item.tag, len(item.unique_ids))  # None: overwritten
@@ -170,6 +169,8 @@ class Owner:
         self.check_open()
         if self.counts["batches"] == 0 and self.gradient is not None:
             self.gradient.see_optimizers()  # before a hand-written warmup changes their rates
+        if self.writeback is not None:  # a failed step's error, before any read of the rows
+            self.writeback.raise_error()
         ids = item.unique_ids
         with self.lock:
             rows, newer, read_at, hits, misses = self._read_rows(item, rows)

@@ -199,7 +199,7 @@ class Writeback:
     def restart_at(self, step: int) -> None:
         """Number the steps from ``step`` on (the table was replaced); the queue must be empty."""
         self.wait()
-        self.submitted = self.applied = self.computed = step
+        self.submitted = self.applied = self.computed = self.handed = step
 
     def raise_error(self) -> None:
         if self._error is not None:
