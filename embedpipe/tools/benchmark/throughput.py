@@ -13,7 +13,10 @@ of the Zipf trace, for ``num_workers`` 0 and ``--workers``. Variants:
   with a dense gradient, (d) embedpipe auto with a cache of ``--train-cache-frac`` +
   ``embedpipe.optim.SGD``, (e) embedpipe with ``cache_rows = vocab`` + SGD.
 
-Loaders keep their workers and make one untimed warm-up pass (caches warm, workers started).
+Loaders keep their workers and make one untimed warm-up pass (caches warm, workers started). A
+pass is the next batches of one long epoch (the section's batches, repeated: ``Repeated``), as in
+a training run, not an epoch of its own: each epoch of a lookahead pipe forks its foresight child,
+and the training process then pays for the copy-on-write of every page it writes.
 Then, round after round, each variant's sample (passes until ``--min-time`` seconds) is taken
 right after a sample of its baseline, and the ratio is taken within that pair: the machine is
 shared and its speed drifts by several times within a minute, which a ratio of samples seconds
@@ -30,7 +33,7 @@ import os
 import shutil
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,9 +53,11 @@ from . import report as md
 from .cpu import CpuMeter
 from .options import fraction, integer
 from .report import target
-from .traces import Trace, TraceDataset, table_path, zipf_trace
+from .traces import Repeated, Trace, TraceDataset, table_path, zipf_trace
 
 NAME = "throughput"
+#: Passes of a variant's batches in one epoch of its loader (``Repeated``, ``Variant.pass_batches``).
+EPOCH_PASSES = 64
 QUICK = {"tput_batches": 20, "repeats": 5, "min_time": 0.2, "train_batches": 8, "train_repeats": 5}
 #: The ``pipe.stats()`` counters kept per variant (over its timed passes).
 COUNTERS = ("batches", "hits", "misses", "rows_read", "rows_written", "evictions", "refreshed")
@@ -123,6 +128,23 @@ class Variant:
     before: dict[str, int] | None = None
     cpu: CpuMeter = field(default_factory=CpuMeter)  # over the timed samples
     timed_batches: int = 0
+    #: Batches a pass takes from one long epoch (0: a pass is an epoch of its own). Each epoch
+    #: of a lookahead pipe forks its foresight child, whose copy-on-write pages the training
+    #: process pays for in the batches after; a training run's epochs are thousands of batches.
+    pass_batches: int = 0
+    epoch: Iterator[Any] | None = None
+
+    def batches(self) -> Iterator[Any]:
+        """A pass's batches: the loader's epoch, or the next ``pass_batches`` of the one running."""
+        if not self.pass_batches:
+            yield from self.loader
+            return
+        for _ in range(self.pass_batches):
+            batch = next(self.epoch, None) if self.epoch is not None else None
+            if batch is None:  # the epoch is over (or none began): the next one
+                self.epoch = iter(self.loader)
+                batch = next(self.epoch)
+            yield batch
 
     @property
     def baseline(self) -> bool:
@@ -137,7 +159,7 @@ class Variant:
         start = time.perf_counter()
         with torch.enable_grad() if self.train else torch.no_grad():
             while n == 0 or time.perf_counter() - start < min_seconds:
-                for batch in self.loader:
+                for batch in self.batches():
                     self.step(batch)
                     n += 1
         rate = n / (time.perf_counter() - start)
@@ -151,6 +173,14 @@ class Variant:
             return None
         stats = self.pipe.stats()
         return {k: stats[k] for k in COUNTERS}
+
+
+def end_epochs(variants: list[Variant]) -> None:
+    """Drop the variants' running epochs (``pass_batches``), so that their DataLoader
+    iterators and foresight children end before the pipes close."""
+    for v in variants:
+        v.epoch = None
+    gc.collect()
 
 
 def embed_step(batch: Any) -> Any:
@@ -185,8 +215,8 @@ def make_variants(
 ) -> list[Variant]:
     """Every variant, baselines first, for ``num_workers`` 0 and ``--workers``."""
     bs = args.batch_size
-    frozen = TraceDataset(trace.head(args.tput_batches))
-    train = TraceDataset(trace.head(args.train_batches))
+    frozen = Repeated(TraceDataset(trace.head(args.tput_batches)), EPOCH_PASSES)
+    train = Repeated(TraceDataset(trace.head(args.train_batches)), EPOCH_PASSES)
     cache = max(1, round(args.tput_cache_frac * args.vocab))
     train_cache = max(1, round(args.train_cache_frac * args.vocab))
     pct, train_pct = f"{args.tput_cache_frac:.0%}", f"{args.train_cache_frac:.0%}"
@@ -246,6 +276,8 @@ def make_variants(
             ),
             pipe("(e) train: embedpipe, cache = vocab + SGD", args.vocab, tables[f"train-e-{w}"]),
         ]
+    for v in out:
+        v.pass_batches = args.train_batches if v.train else args.tput_batches
     return out
 
 
@@ -278,6 +310,7 @@ def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
             paired_rounds(clusters, max(args.repeats, args.train_repeats), args.min_time, bar)
         rows = [summary(v) for v in variants]
     finally:
+        end_epochs(variants)
         for v in variants:
             if v.pipe is not None:
                 v.pipe.close()
@@ -373,7 +406,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         f"### Throughput: dim {args.dim}, batches of {args.batch_size} x {args.seq_len} tokens\n\n"
         f"Median batches/s of {result['repeats']} samples (training: {result['train_repeats']}), "
         f"each at least {result['min_time']:g} s of passes over the first {result['batches']} "
-        f"batches (training: {result['train_batches']}), after a warm-up pass. vs (a): the ratio "
+        f"batches (training: {result['train_batches']}), taken in turn from one long epoch of "
+        "them repeated, after a warm-up pass. vs (a): the ratio "
         "to the baseline with the same workers (frozen: nn.Embedding in RAM; training: "
         "nn.Embedding(sparse=True) + torch SGD) timed just before it, median and quartiles over "
         "the samples. Rows read, written and refreshed (re-copied at hand-off because a step "

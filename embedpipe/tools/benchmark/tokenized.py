@@ -42,16 +42,18 @@ from .options import integer
 from .throughput import (
     CPU_HEADER,
     CPU_NOTE,
+    EPOCH_PASSES,
     Variant,
     backward_step,
     baseline_of,
     cpu_cells,
     embed_step,
+    end_epochs,
     in_ram_step,
     paired_rounds,
     summary,
 )
-from .traces import text_files, words_of
+from .traces import Repeated, text_files, words_of
 
 NAME = "tokenized"
 QUICK = {"tok_batches": 8, "tok_repeats": 3}
@@ -137,6 +139,7 @@ def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
         tokenizer, passages[: args.tok_batches * args.batch_size], args.seq_len
     )
     vocab = len(tokenizer)
+    epoch = Repeated(data, EPOCH_PASSES)  # a pass: the next tok_batches of it (throughput.py)
     path = os.path.join(workdir, "tokenized.zarr")
     Table.create(path, vocab, args.dim, seed=args.seed).close()
     weight = Table.open(path).to_tensor()
@@ -156,15 +159,17 @@ def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     )
     emb = nn.Embedding.from_pretrained(weight, freeze=True)
     variants = [
-        Variant("(a) frozen: nn.Embedding in RAM", w, DataLoader(data, **kw),
+        Variant("(a) frozen: nn.Embedding in RAM", w, DataLoader(epoch, **kw),
                 lambda b, e=emb: e(b["input_ids"])),
         Variant(f"(d) frozen: embedpipe auto, cache {args.tput_cache_frac:.0%}", w,
-                frozen_pipe.loader(data, **kw), embed_step, frozen_pipe),
-        Variant("(a) train: nn.Embedding sparse + torch SGD", w, DataLoader(data, **kw),
+                frozen_pipe.loader(epoch, **kw), embed_step, frozen_pipe),
+        Variant("(a) train: nn.Embedding sparse + torch SGD", w, DataLoader(epoch, **kw),
                 in_ram_step(True, weight), train=True),
         Variant(f"(d) train: embedpipe auto, cache {args.train_cache_frac:.0%} + SGD", w,
-                train_pipe.loader(data, **kw), backward_step(train_pipe), train_pipe, train=True),
+                train_pipe.loader(epoch, **kw), backward_step(train_pipe), train_pipe, train=True),
     ]  # fmt: skip
+    for v in variants:
+        v.pass_batches = args.tok_batches
     clusters = [(variants[0], [variants[1]], args.tok_repeats)]
     clusters.append((variants[2], [variants[3]], args.tok_repeats))
     try:
@@ -176,6 +181,7 @@ def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
             paired_rounds(clusters, args.tok_repeats, args.min_time, bar)
         rows = [summary(v) for v in variants]
     finally:
+        end_epochs(variants)
         frozen_pipe.close()
         train_pipe.close()
         del variants, clusters

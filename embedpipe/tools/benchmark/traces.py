@@ -123,3 +123,18 @@ class TraceDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[i]}
+
+
+class Repeated(Dataset):
+    """``dataset`` ``times`` over, as one epoch: a pass of a section takes a stretch of it
+    (``Variant.pass_batches``), as a training run's batches come from an epoch of thousands,
+    not an epoch of its own."""
+
+    def __init__(self, dataset: Dataset, times: int) -> None:
+        self.dataset, self.times = dataset, times
+
+    def __len__(self) -> int:
+        return len(self.dataset) * self.times  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> object:
+        return self.dataset[i % len(self.dataset)]  # type: ignore[arg-type]
