@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ... import optim
+from ...cache.policy import POLICIES
 from ...pipe.handle import EmbeddingPipe
 from ...store.table import Table
 from .options import fraction, integer, share
@@ -82,6 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--accel-dim", type=integer(1), default=768, help="floats per row")
     g.add_argument("--accel-cache-frac", type=fraction, default=0.05, help="the pipes' cache")
+    g.add_argument(
+        "--accel-policy",
+        default="auto",
+        choices=POLICIES,
+        help="the pipes' cache policy",
+    )
     g.add_argument("--accel-batches", type=integer(1), default=30, help="batches per pass")
     g.add_argument("--accel-repeats", type=integer(1), default=5, help="timed samples")
 
@@ -141,10 +148,16 @@ def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
             copy = os.path.join(workdir, f"accelerator-{owner}-{ms:g}.zarr")
             Table.from_tensor(copy, weight).close()
             pipe = EmbeddingPipe(
-                copy, cache_rows=cache, optimizer=optim.Adagrad(lr=LR), owner=owner
+                copy,
+                cache_rows=cache,
+                optimizer=optim.Adagrad(lr=LR),
+                owner=owner,
+                policy=args.accel_policy,
             )
             pipes.append(pipe)
             name = f"({owner[0]}) embedpipe, owner {owner}, cache {args.accel_cache_frac:.0%}"
+            if args.accel_policy != "auto":
+                name += f", {args.accel_policy}"
             variants.append(
                 Variant(
                     name,
@@ -178,6 +191,7 @@ def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
         "batches": args.accel_batches,
         "repeats": args.accel_repeats,
         "hold": args.accel_hold,
+        "policy": args.accel_policy,
     }
 
 
