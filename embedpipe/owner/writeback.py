@@ -31,8 +31,9 @@ which waits until a hand-off has taken them (:meth:`handed_off`), and not past t
 step queued behind, a thread waiting for applied steps (:meth:`wait`: a checkpoint, a refresh,
 close), or :data:`HOLD_SECONDS`. The writes then run while the model computes. Nothing else
 changes: the step is applied in the same order, before the next one, with the same rows.
-Measured beside a simulated accelerator (2 cores, owner process, 5% cache): the batch's wait
-for its rows shrank from 14.6 to 10-12 ms (docs/benchmarks.md).
+Measured with the early reads (NOTE in ``computed.py``) beside a simulated accelerator (2
+cores, owner process, 5% cache): the next batch came 11.6-12.2 ms after the step, against
+13.2-14.2 before (medians; docs/service.md).
 """
 
 from __future__ import annotations

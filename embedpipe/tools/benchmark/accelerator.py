@@ -53,6 +53,7 @@ from .report import md_table, quartiles, ratio, target
 from .throughput import (
     CPU_HEADER,
     CPU_NOTE,
+    EPOCH_PASSES,
     Variant,
     baseline_of,
     cpu_cells,
@@ -128,8 +129,7 @@ def piped(pipe: EmbeddingPipe, seconds: float, hold: float) -> Any:
 
 def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     trace = zipf_trace(args, args.accel_batches)
-    passes = 2 + 2 * args.accel_repeats  # the baseline's: a warm-up and one beside each sample
-    data = Repeated(TraceDataset(trace.head(args.accel_batches)), passes)  # one epoch
+    data = Repeated(TraceDataset(trace.head(args.accel_batches)), EPOCH_PASSES)  # one epoch
     path = os.path.join(workdir, "accelerator.zarr")
     Table.create(path, args.vocab, args.accel_dim, seed=args.seed).close()
     weight = Table.open(path).to_tensor()
