@@ -88,6 +88,7 @@ class ServiceServer(Server):
         super().__init__(channel)
         self.service = service
         self.peer = 0  # the job's pid (its rank 0's)
+        self.dropping = False  # gone, or a request it cannot read: the next job may queue
 
     @property
     def address(self) -> str:
@@ -253,6 +254,7 @@ class Service:
         except BaseException as e:  # the job is gone, or the service was told to stop
             if job is not None:
                 self._fail(job)
+            server.dropping = True  # before the close its peer sees: the next job may queue
             server.channel.close()
             if not _drop(server, job):
                 return False
@@ -314,6 +316,7 @@ class Service:
                 free = (
                     serving is None
                     or serving.done
+                    or serving.dropping
                     or not _alive(serving.peer)
                     or (job is not None and job.failed)  # being dropped: the next job waits
                 )
