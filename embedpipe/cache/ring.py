@@ -102,6 +102,23 @@ class BatchRing:
         fence()
         return rows if self._tags[slot] == tag else None
 
+    def holds(self, slot: int, tag: int) -> bool:
+        """Whether ``slot`` still holds the batch of ``tag``."""
+        return bool(self._tags[slot] == tag)
+
+    def read_except(self, slot: int, tag: int, out: np.ndarray, positions: np.ndarray) -> bool:
+        """Copy the rows of ``slot`` into ``out``, all but those at ``positions``; False if the
+        slot was overwritten (``out`` then holds no row of it for sure)."""
+        keep = np.ones(len(out), dtype=bool)
+        keep[positions] = False
+        keep = np.flatnonzero(keep)
+        if self._tags[slot] != tag:
+            return False
+        fence()
+        out[keep] = self._buffers[slot, keep]
+        fence()
+        return bool(self._tags[slot] == tag)
+
     def read(self, slot: int, tag: int, count: int) -> np.ndarray | None:
         """In the owner: a copy of the ``count`` rows in ``slot``, or None if it was overwritten."""
         if self._tags[slot] != tag:

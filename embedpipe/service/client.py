@@ -201,16 +201,17 @@ class RemoteOwner:
             self._request({"op": "wait", "behind": 0})
 
     def claim(self, item: LookedUp, ring: BatchRing | None, pin: bool) -> EmbeddedBatch:
-        """The batch of a worker's lookup: its rows copied out of the ring here, made final by
-        the rows the owner process sends back (NOTE [ Corrections, not rows ] in
-        ``server.py``)."""
+        """The batch of a worker's lookup: the rows the owner process sends back (NOTE
+        [ Corrections, not rows ] in ``server.py``), and the others copied out of the ring here
+        once it has: the fewer rows a claim copies, the shorter the loop's wait."""
         self.check_open()
         if self.gradient is not None and not self._claimed:
             self.gradient.see_optimizers()  # before a hand-written warmup changes their rates
         self._claimed = True
-        rows = item.rows
-        if item.slot >= 0 and ring is not None:
-            rows = ring.read(item.slot, item.tag, len(item.unique_ids))  # None: overwritten
+        rows, have, into = item.rows, item.rows is not None, None
+        if item.slot >= 0 and ring is not None:  # after the reply: the rows it did not send
+            rows, have = None, ring.holds(item.slot, item.tag)
+            into = np.empty((len(item.unique_ids), self.table.dim), dtype=self.table.dtype)
         sent = item.rows if item.slot < 0 and item.rows is not None else np.empty(0)
         arrays = (item.unique_ids, sent)
         if item.deferred is not None:
@@ -218,30 +219,27 @@ class RemoteOwner:
         stream = self.stream
         transfer = self._transfer()  # before the claim: its reply may put rows there
         (step, tick, generation, blind, every, _), got, _ = self._request(
-            {
-                "op": "claim",
-                "ring": self._ring_number(ring),
-                "slot": item.slot,
-                "tag": item.tag,
-                "lookup_step": item.lookup_step,
-                "hits": item.hits,
-                "misses": item.misses,
-                "trains_now": self.trains_now,
-                "have": rows is not None,
-                "foreseen": stream is not None and stream.take_claim(),
-            },
-            arrays,
-            shared_rows=5,
-        )
+            {"op": "claim", "ring": self._ring_number(ring), "slot": item.slot, "tag": item.tag,
+             "lookup_step": item.lookup_step, "hits": item.hits, "misses": item.misses,
+             "trains_now": self.trains_now, "have": have,
+             "foreseen": stream is not None and stream.take_claim()},
+            arrays, shared_rows=5, into=into,
+        )  # fmt: skip
         if blind and stream is not None:
             stream.blind = True  # the loader says why, and stops looking ahead
             stream.failure = blind if isinstance(blind, str) else None  # the child's error
         transfer.replied(step, generation)
-        fresh = got[-1]  # sent, or copied out of the transfer block by _request
+        fresh = got[-1]  # sent, or copied out of the transfer block (into `into`) by _request
         if every:  # every row, read by the owner
             rows = fresh
-        else:  # the rows re-read since the lookup
-            rows[got[0]] = fresh
+        else:  # the rows re-read since the lookup; with a ring, the others from its slot
+            rows = into if rows is None else rows
+            if fresh is not rows:
+                rows[got[0]] = fresh
+            if rows is into and not ring.read_except(item.slot, item.tag, into, got[0]):
+                (step, tick, generation), (rows,), _ = self._request(  # overwritten: all again
+                    {"op": "relookup"}, (item.unique_ids,)
+                )
         return EmbeddedBatch._handed_off(item, rows, self, pin, step, tick, generation)
 
     def _transfer(self) -> Transfer:
@@ -386,13 +384,14 @@ class RemoteOwner:
         reply: bool = True,
         fds: tuple[int, ...] = (),
         shared_rows: int | None = None,
+        into: np.ndarray | None = None,
     ) -> Any:
         """Send ``message`` and return the owner process's reply (``ok`` values, arrays,
         descriptors), raising its error. A Ctrl-C is held back while bytes cross and taken while
         the reply is awaited: then the reply is owed, and read and dropped before the next
         request, so the two processes never fall out of step. ``shared_rows``: which ``ok`` value
         counts the reply's rows in the transfer block: copied out here, before another thread's
-        request can overwrite them, as the last array."""
+        request can overwrite them, as the last array (into ``into``, at ``got[0]``, if given)."""
         message.setdefault("after", self.submitted)
         with self._lock, interrupts_held() as interrupted:
             if self._dropped:
@@ -408,7 +407,7 @@ class RemoteOwner:
                 answer, got, received = self.channel.receive(waiting=interrupted)
                 self._owed -= 1
                 if shared_rows is not None and "ok" in answer and answer["ok"][shared_rows] >= 0:
-                    got = [*got, self.transfer.take_reply(answer["ok"][shared_rows]).copy()]
+                    got = [*got, self.transfer.take_reply(answer["ok"][shared_rows], got, into)]
             except ChannelClosed as e:
                 raise self._died() from e
         error = answer.get("error")

@@ -71,21 +71,30 @@ class Transfer:
         return cls(SharedBlock.adopt(layout, fd))
 
     # ----------------------------------------------------------------- the owner process
-    def put_reply(self, rows: np.ndarray) -> int:
-        """Write a reply's rows; their number, or -1 if they do not fit (send them instead)."""
-        if len(rows) > self.rows:
+    def put_reply(self, rows: np.ndarray, picked: np.ndarray | None = None) -> int:
+        """Write a reply's rows (``rows[picked]``: gathered straight into the block); their
+        number, or -1 if they do not fit (send them instead)."""
+        n = len(rows) if picked is None else len(picked)
+        if n > self.rows:
             return -1
-        self.reply[: len(rows)] = rows
-        return len(rows)
+        if picked is None:
+            self.reply[:n] = rows
+        else:
+            np.take(rows, picked, axis=0, out=self.reply[:n])
+        return n
 
     def gradient(self, slot: int, n: int) -> torch.Tensor:
         """The gradient the training process wrote into ``slot`` (a view: used in place)."""
         return torch.from_numpy(self.grad[slot, :n])
 
     # ----------------------------------------------------------------- the training process
-    def take_reply(self, n: int) -> np.ndarray:
-        """The reply's ``n`` rows, as a view: copy them before the next request."""
-        return self.reply[:n]
+    def take_reply(self, n: int, got: list = (), into: np.ndarray | None = None) -> np.ndarray:
+        """A copy of the reply's ``n`` rows (before the next request); with ``into`` and the
+        positions they go to (``got[0]``), copied there."""
+        if into is None or not got:
+            return self.reply[:n].copy()
+        into[got[0]] = self.reply[:n]
+        return into
 
     def put_gradient(self, step: int, generation: int, grad: torch.Tensor) -> int:
         """Write step ``step``'s gradient into its slot; the slot, or -1 (send it instead):

@@ -66,6 +66,31 @@ def test_an_owner_process_trains_the_table_nn_embedding_trains(
     assert table.step == 8
 
 
+def test_a_ring_slot_overwritten_before_the_reply_is_read_again_whole(tmp_path, data, monkeypatch):
+    """The training process copies a batch's rows out of the ring after the owner's reply, only
+    those the reply does not send (``RemoteOwner.claim``); a slot overwritten by then (a worker
+    come round to it: an order the DataLoader does not promise) has every row read again, so
+    training stays nn.Embedding's, bit for bit."""
+    from embedpipe.cache.ring import BatchRing
+
+    read_except, overwritten = BatchRing.read_except, []
+
+    def late(self, slot, tag, out, positions):
+        if len(overwritten) < 3 and len(positions) < len(out):  # rows to take from the slot
+            self._tags[slot] = tag + 2
+            overwritten.append(slot)
+        return read_except(self, slot, tag, out, positions)
+
+    monkeypatch.setattr(BatchRing, "read_except", late)
+    ref, _, ref_state = train_reference(data, "adagrad", 0.5)
+    got, _, _, table = train_offloaded(
+        data, "adagrad", 0.5, tmp_path / "t.zarr", num_workers=2, cache_rows=1000, owner="process"
+    )  # (the whole table cached: no misses left to the owner, which it would send)
+    assert len(overwritten) == 3
+    assert torch.equal(got, ref), (got - ref).abs().max()
+    assert torch.equal(torch.from_numpy(table.read(np.arange(1000), "sum")), ref_state["sum"])
+
+
 def test_checkpoints_snapshots_and_reads_go_through_the_owner_process(tmp_path, data):
     """checkpoint(), save_checkpoint(), load_checkpoint(), table.read() during training, stats()
     after close(), and the table's own handle afterwards: as with an owner thread."""
@@ -274,8 +299,8 @@ def test_two_threads_claiming_through_one_owner_process_get_their_own_rows(tmp_p
 
     take_reply = transfer.Transfer.take_reply
 
-    def slow_take(self, n):
-        rows = take_reply(self, n)
+    def slow_take(self, n, *rest):
+        rows = take_reply(self, n, *rest)
         time.sleep(0.02)
         return rows
 

@@ -36,6 +36,18 @@ def test_what_does_not_fit_is_sent():
     np.testing.assert_array_equal(sender.take_reply(3), rows)
 
 
+def test_reply_rows_picked_into_the_block_and_taken_into_their_places():
+    sender = Transfer.make(4, np.float32)
+    rows = np.arange(20, dtype=np.float32).reshape(5, 4)
+    picked = np.array([4, 1, 3])
+    assert sender.put_reply(rows, picked) == 3
+    into = np.full((6, 4), -1, np.float32)
+    places = np.array([0, 2, 5])
+    assert sender.take_reply(3, [places], into) is into
+    np.testing.assert_array_equal(into[places], rows[picked])
+    assert (np.delete(into, places, axis=0) == -1).all()
+
+
 def test_wide_rows_get_fewer_rows_a_block():
     assert Transfer.make(1 << 16, np.float32).rows * (1 << 16) * 4 <= 64 << 20
 
