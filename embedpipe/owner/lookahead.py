@@ -26,7 +26,7 @@ each (measured: 1.2-1.5x the rows Belady's optimum reads, at 2-20% cache, 2 work
 stream runs, its loader's workers copy the cache's hits and leave the misses (a flag in shared
 memory, ``PipeLoader._defer``); the reader thread reads the rows of each dispatched batch that
 the cache lacks into a buffer, copying those an earlier batch in flight already read, and the
-hand-off takes them from there (``Owner._read_deferred``), or from the cache or the table if the
+hand-off takes them from there (``reads.read_deferred``), or from the cache or the table if the
 reader is late, then admits them as usual. Each row is read once for all the batches in flight,
 and the reads run beside the loop, in a thread that mostly waits on the disk. A buffered row is
 used only if no step changed it since it was read (its ``last_updated`` tick); the table has the

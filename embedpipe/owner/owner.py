@@ -45,18 +45,19 @@ from ..store.checkpoints import Checkpoint
 from ..store.table import Table
 from ..worker.batch import EmbeddedBatch
 from ..worker.looked_up import LookedUp
-from . import durability, lookahead
+from . import durability, lookahead, reads
 from .computed import Computed
 from .foresee import BatchIds, IdsReader
 from .gradient import TableGradient, refuse_non_finite, without_padding
 from .lookahead import Ahead, Stream
+from .reads import ReadAhead
 from .writeback import Writeback
 
 #: The owner's counters (``stats()``); ``relookups``: batches whose ids were edited in place
 #: after their lookup; ``remote_rows``, ``served_rows``: a sharded pipe's rows from other ranks,
-#: and to them.
+#: and to them; ``read_ahead``: hand-offs whose rows were read before their claim (``reads.py``).
 COUNTS = ("batches", "hits", "misses", "deferred", "filled_ahead", "refreshed", "relookups",
-          "ring_overruns", "remote_rows", "served_rows")  # fmt: skip
+          "ring_overruns", "remote_rows", "served_rows", "read_ahead")  # fmt: skip
 
 
 def take_options(
@@ -156,6 +157,7 @@ class Owner:
         item: LookedUp,
         rows: np.ndarray | None,
         deliver: Callable[[np.ndarray, np.ndarray | None, int, int], None] | None = None,
+        ahead: ReadAhead | None = None,
     ) -> tuple[np.ndarray, int, int]:
         """A lookup's rows as of the steps applied so far, with their step and clock tick.
 
@@ -165,6 +167,8 @@ class Owner:
         the misses; ``deliver(rows, stale, step, tick)`` runs once the rows are final, before the
         admission (an owner process sends them then: the admission runs while the training
         process goes on); ``stale``: the positions re-read, or None when the owner read them all.
+        ``ahead``: the lookup's rows read before its claim (NOTE [ A hand-off read ahead ] in
+        ``reads.py``), if they are its ids'.
         """
         self.check_open()
         if self.counts["batches"] == 0 and self.gradient is not None:
@@ -173,7 +177,7 @@ class Owner:
             self.writeback.raise_error()
         ids = item.unique_ids
         with self.lock:
-            rows, newer, read_at, hits, misses = self._read_rows(item, rows)
+            rows, newer, read_at, hits, misses = reads.read_rows(self, item, rows, ahead)
         self._wait_for_rows()  # in exact mode, the reads above ran while the last step computed
         with self.lock:
             computed = self._last_computed()
@@ -212,28 +216,6 @@ class Owner:
         self.counts["misses"] += misses
         return rows, step, tick
 
-    def _read_rows(
-        self, item: LookedUp, rows: np.ndarray | None
-    ) -> tuple[np.ndarray, np.ndarray | None, int, int, int]:
-        """Under the lock: a lookup's rows as of the steps applied now, which were re-read (None:
-        all were read here), the clock tick they are at, and the lookup's hits and misses."""
-        ids, hits, misses, newer = item.unique_ids, item.hits, item.misses, None
-        if rows is None:
-            if item.lookup_step >= 0:
-                self.counts["ring_overruns"] += 1
-            else:  # the owner does the lookup: count it here, its misses as the owner's
-                hits = int((self.shared.slot_of[ids] >= 0).sum())
-                misses = len(ids) - hits
-                self.counts["deferred"] += misses  # read (and counted) by current()
-            rows = self.cache.current(ids)
-        else:
-            if item.deferred is not None and len(item.deferred):
-                self._read_deferred(ids, rows, item.deferred)
-            newer = self.cache.last_updated[ids] > item.lookup_step
-            again = np.flatnonzero(newer)
-            rows[again] = self.cache.current(ids[again])
-        return rows, newer, self.cache.clock, hits, misses
-
     def relookup(self, batch: EmbeddedBatch, ids: torch.Tensor) -> None:
         """``batch``'s ids were edited in place after its rows were looked up: gather the rows
         of the new ones, as a hand-off would (NOTE [ Ids edited in place ] in ``batch.py``)."""
@@ -253,18 +235,6 @@ class Owner:
             tick = self.cache.clock
         self.counts["relookups"] += 1
         return rows, step, tick
-
-    def _read_deferred(self, ids: np.ndarray, rows: np.ndarray, deferred: np.ndarray) -> None:
-        """The misses a worker left to the owner (NOTE [ Misses read by the owner ] in
-        ``lookahead.py``): from the lookahead reader's buffer, else the cache or the table."""
-        self.counts["deferred"] += len(deferred)
-        if self.stream is not None:
-            found, read = self.stream.take(ids[deferred], rows.shape[1], rows.dtype)
-            rows[deferred[found]] = read[found]
-            self.counts["filled_ahead"] += int(found.sum())
-            deferred = deferred[~found]
-        if len(deferred):
-            rows[deferred] = self.cache.current(ids[deferred])
 
     def refresh(self, batch: EmbeddedBatch) -> None:
         """Make a batch's rows final as the model reads them: if steps were submitted since its

@@ -65,6 +65,7 @@ from ..cache.shm import SharedBlock
 from ..owner.foresee import IdsReader
 from ..owner.lookahead import Stream
 from ..owner.owner import Owner
+from ..owner.reads import ReadAhead, read_ahead
 from ..store.lock import WriterLock
 from ..store.mapped import map_writes
 from ..store.table import Table
@@ -138,6 +139,8 @@ class Server:
         self.rings: dict[int, BatchRing] = {}
         self.later: BaseException | None = None  # the error of a request already answered
         self.transfer: Transfer | None = None  # rows and gradients in shared memory
+        self.ahead: ReadAhead | None = None  # the next claim's rows, read before it
+        self.missed = 0  # such reads in a row that their claim could not use (this stream's)
         self.warned: list[tuple[str, str]] = []
         self.done = False
 
@@ -264,10 +267,15 @@ class Server:
             stream.claim(unique_ids)
         blind = m["foreseen"] and stream is not None and stream.blind and (stream.failure or True)
         deferred = arrays[2] if len(arrays) > 2 else None
+        ahead, self.ahead = self.ahead, None  # NOTE [ A hand-off read ahead ] in reads.py
+        if ahead is not None:
+            serves = m["have"] and ahead.serves(unique_ids, owner.generation)
+            self.missed = 0 if serves else self.missed + 1
+            ahead = ahead if serves else None
         item = LookedUp({}, unique_ids, unique_ids, m["slot"], m["tag"], None, m["lookup_step"],
                         m["hits"], m["misses"], deferred)  # fmt: skip
         rows = arrays[1] if arrays[1].ndim == 2 else None  # rows that did not fit the ring
-        if rows is None and m["have"] and item.slot >= 0 and ring is not None:
+        if ahead is None and rows is None and m["have"] and item.slot >= 0 and ring is not None:
             lacked = owner.shared.slot_of[unique_ids] < 0
             if deferred is not None:
                 lacked[deferred] = False  # not in the slot: this process reads them
@@ -290,11 +298,14 @@ class Server:
             answered = True
 
         try:
-            owner.final_rows(item, rows, deliver)
+            owner.final_rows(item, rows, deliver, ahead)
         except BaseException as e:
             if not answered or not isinstance(e, Exception):  # a service told to stop: now
                 raise
             self.later = e  # the admission after the reply failed: say it at the next request
+            return
+        if m["foreseen"] and m["have"] and item.slot >= 0:  # the next batch's, while it computes
+            self.ahead = read_ahead(owner, self.missed)
 
     def do_stream(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         """A loader's epoch foreseen (NOTE [ Foresight in an owner process ]): the training
@@ -307,6 +318,7 @@ class Server:
         if owner.stream is not None:
             owner.end_stream(owner.stream)
         owner.stream = Stream(owner, ids, m["first"], m["source"], defer)
+        self.ahead, self.missed = None, 0
         self.reply()
 
     def do_drawn(self, m: dict[str, Any], arrays: list, fds: list) -> None:

@@ -158,7 +158,10 @@ def test_random_samples_train_as_nn_embedding_with_an_owner_process(
 ):
     """The same with the owner in a process of its own: the workers still call the dataset,
     and the owner process draws from no generator of the program's."""
-    trains_as_nn_embedding(tmp_path, references, weight, num_workers, cache, "auto", "process")
+    stats = trains_as_nn_embedding(
+        tmp_path, references, weight, num_workers, cache, "auto", "process"
+    )
+    assert stats["read_ahead"] == 0  # no batch is the one foreseen: each is read at its claim
 
 
 def trains_as_nn_embedding(tmp_path, references, weight, num_workers, cache, policy, owner):
@@ -175,6 +178,7 @@ def trains_as_nn_embedding(tmp_path, references, weight, num_workers, cache, pol
     )
     same_runs(got, expected)
     assert torch.equal(got[0], expected[0])
+    return got[3]
 
 
 class Count(Dataset):
@@ -287,6 +291,7 @@ def test_datasets_and_samplers_people_write_see_the_same_batches(
     got = offloaded(dataset, tmp_path / "t.zarr", weight, num_workers, 20, "auto", owner, **options)
     same_runs(got, expected)
     assert torch.equal(got[0], expected[0])
+    return got[3]
 
 
 class Where(Dataset):
