@@ -190,7 +190,10 @@ class Owner:
             again = np.flatnonzero(since & ~changed)
             rows[again] = self.cache.current(ids[again])
             stale = None if newer is None else np.flatnonzero(newer | since | changed)
-            self.counts["refreshed"] += 0 if stale is None else len(stale)
+            if stale is not None or ahead is not None:  # (read ahead: the rows changed since)
+                self.counts["refreshed"] += (
+                    int((since | changed).sum()) if stale is None else len(stale)
+                )
             if where is not None:
                 rows[changed] = computed.rows[where]
             tick = self.cache.clock

@@ -10,16 +10,17 @@ the loop's path). The owner process knows the next batch the loader hands off: t
 flight after the last claimed, with its ids as foreseen, and its misses read by the lookahead
 reader (NOTE [ Misses read by the owner ] in ``lookahead.py``; the lookahead policy keeps its
 cached rows cached from its dispatch to its claim). So once a claim has been answered and its
-admission and its step's working copy made, while the training process computes, it reads every
-row of that next batch, at the clock tick ``tick``: from the reader's buffer where no step
-changed the row since, else from the cache or the table. At its claim, if the batch's unique ids
-are the ones foreseen (and no snapshot was loaded since), those rows are the hand-off's first
-reads, as if made at ``tick``: the rows changed since are re-read or overlaid from the last
-step, as after any first read (NOTE [ A hand-off reads while the step computes ] in
-``computed.py``), and the owner process sends every row, so the training process copies nothing
-out of the ring. A batch whose ids were not the ones foreseen (a dataset with randomness) is
-read at its claim, as ever; after :data:`MISSED` such batches in a row a stream reads no further
-batch ahead.
+admission and its step's working copy made, while the training process computes, it waits for
+the writes of the last step (in exact mode: else the rows of that step would be read again at
+the claim) and reads every row of that next batch, at the clock tick ``tick``: from the reader's
+buffer where no step changed the row since, else from the cache or the table. At its claim, if
+the batch's unique ids are the ones foreseen (and no snapshot was loaded since), those rows are
+the hand-off's first reads, as if made at ``tick``: the rows changed since are re-read or
+overlaid from the last step, as after any first read (NOTE [ A hand-off reads while the step
+computes ] in ``computed.py``), and the owner process sends every row, so the training process
+copies nothing out of the ring. A batch whose ids were not the ones foreseen (a dataset with
+randomness) is read at its claim, as ever; after :data:`MISSED` such batches in a row a stream
+reads no further batch ahead.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def read_ahead(owner: Owner, missed: int = 0) -> ReadAhead | None:
     stream = owner.stream
     if stream is None or stream.stopped or stream.blind or missed >= MISSED:
         return None
+    if owner.writeback is not None and owner.behind == 0:
+        owner.writeback.wait()  # the last step's writes, else its rows are read again at the claim
     with owner.lock:
         following = next((b for b in stream.in_flight_ids if b[0] > stream.claimed), None)
         if following is None or following[0] not in stream.buffers:

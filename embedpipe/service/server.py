@@ -141,6 +141,7 @@ class Server:
         self.transfer: Transfer | None = None  # rows and gradients in shared memory
         self.ahead: ReadAhead | None = None  # the next claim's rows, read before it
         self.missed = 0  # such reads in a row that their claim could not use (this stream's)
+        self.draws: list[int] = []  # the stream's draws told before a claim, taken after it
         self.warned: list[tuple[str, str]] = []
         self.done = False
 
@@ -172,6 +173,8 @@ class Server:
                     self.reply_error(e)
 
     def handle(self, op: str, message: dict[str, Any], arrays: list, fds: list) -> None:
+        if self.draws and op not in ("claim", "drawn"):
+            self.take_draws()
         getattr(self, f"do_{op}")(message, arrays, fds)
 
     def reply(self, *values: Any, arrays: tuple[np.ndarray, ...] = ()) -> None:
@@ -304,6 +307,7 @@ class Server:
                 raise
             self.later = e  # the admission after the reply failed: say it at the next request
             return
+        self.take_draws()
         if m["foreseen"] and m["have"] and item.slot >= 0:  # the next batch's, while it computes
             self.ahead = read_ahead(owner, self.missed)
 
@@ -322,10 +326,25 @@ class Server:
         self.reply()
 
     def do_drawn(self, m: dict[str, Any], arrays: list, fds: list) -> None:
-        """The DataLoader drew batch ``number`` of the stream's epoch (no reply)."""
+        """The DataLoader drew batch ``number`` of the stream's epoch (no reply). It draws at the
+        ``next()`` that claims an earlier batch, so the draw is taken once that claim is
+        answered, with the lookahead reader's reads for it (NOTE [ A hand-off read ahead ] in
+        ``reads.py``), unless that claim's batch would not be found in flight without it."""
         stream = self.owner.stream
-        if stream is not None and stream.source == m["source"]:
+        if stream is None or stream.source != m["source"]:
+            return
+        if stream.judged_from is not None and any(
+            n > stream.claimed for n, _ in stream.in_flight_ids
+        ):
+            self.draws.append(m["number"])
+        else:
             stream._drawn(m["number"])
+
+    def take_draws(self) -> None:
+        draws, self.draws = self.draws, []
+        for number in draws:
+            if self.owner.stream is not None:
+                self.owner.stream._drawn(number)
 
     def do_end_stream(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         """The stream's epoch is over or left (no reply)."""

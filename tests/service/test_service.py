@@ -64,7 +64,7 @@ def test_an_owner_process_trains_the_table_nn_embedding_trains(
         assert torch.equal(torch.from_numpy(table.read(np.arange(1000), "sum")), ref_state["sum"])
     assert stats["batches"] == 8 and stats["steps"] == 8
     assert table.step == 8
-    if workers and cache_rows < 1000:  # the lookahead: batches after the first read ahead
+    if workers and 0 < cache_rows < 1000:  # the lookahead: batches after the first read ahead
         assert stats["read_ahead"] > 0, stats  # (NOTE [ A hand-off read ahead ] in reads.py)
 
 
