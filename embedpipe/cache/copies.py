@@ -18,7 +18,9 @@ hand-off came between) takes it as a staged copy, whose tick decides which of it
 still current, as for every staged copy (consistency.md, invariant 4); the copy's cached rows
 were then copied for nothing, so the next :data:`PREPARE_RETRY` steps prepare none (a loop that
 accumulates two batches a step, or reads the next batch's ``inputs_embeds`` before the step,
-pays for it once in 17 steps). A loader that draws the next batch ahead, as Accelerate's does,
+pays for it once in 17 steps). The rows it read for the batch's uncached ids, and their state,
+are kept as they are: they are what that step puts back if its write to the table fails, so the
+step copies nothing for that either. A loader that draws the next batch ahead, as Accelerate's does,
 still gets its copies: a batch is claimed when the model first reads it. Merging two batches'
 copies into one would copy more than the step's own gather. Not in bounded mode nor
 for a rank's shard: their hand-offs do not hand out final rows.
@@ -79,6 +81,10 @@ class Prepared:
     rows: np.ndarray
     state: dict[str, np.ndarray]
     tick: int
+    #: the uncached rows (``slots < 0``) and their state as in ``rows`` and ``state`` before
+    #: the step changes them: what the step puts back if its table write fails (the arrays the
+    #: copy was made from, so the step copies nothing for it)
+    before: tuple[np.ndarray, dict[str, np.ndarray]] | None = None
 
     def as_copy(self) -> Copy:
         """The rows (and state) that were not cached, as :meth:`RowCache.stage` keeps them."""

@@ -57,11 +57,15 @@ class Update:
     slots: np.ndarray
     rows: np.ndarray
     state: dict[str, np.ndarray]
+    #: :meth:`uncached`, already copied (:attr:`Prepared.before`)
+    before: tuple[np.ndarray, dict[str, np.ndarray]] | None = None
 
     def uncached(self) -> Update:
         """A copy of the rows and state that are not cached (what
         :meth:`RowCache.write_uncached` writes to the table, and puts back if that write fails)."""
         rest = self.slots < 0
+        if self.before is not None:
+            return Update(self.ids[rest], self.slots[rest], *self.before)
         return Update(
             self.ids[rest],
             self.slots[rest],
@@ -194,7 +198,9 @@ class RowCache:
             self.counts["staged"] += int((slots < 0).sum())
             self.counts["prepared"] += 1
             if pinned.at is None:
-                return Update(ids, slots, prepared.rows, prepared.state)
+                same = np.array_equal(slots < 0, prepared.slots < 0)  # else some were evicted
+                before = prepared.before if same else None
+                return Update(ids, slots, prepared.rows, prepared.state, before)
             take = {k: take_rows(v, pinned.at) for k, v in prepared.state.items()}
             return Update(ids, slots, take_rows(prepared.rows, pinned.at), take)
         rest = np.flatnonzero(slots < 0)
@@ -250,16 +256,26 @@ class RowCache:
         if key is not None and not self._unprepared:
             # the cached rows from the cache (an owner process has only the others in ``rows``)
             mine, state = self._cached(slots)
-            mine[missing] = rows[missing]
-            for name in self.state if len(missing) else ():
-                state[name][missing] = self._fetch(ids[missing], name)
+            kept = rows[missing]  # a copy: kept, as the uncached rows before the step
+            kept_state = {
+                name: self._fetch(ids[missing], name) if len(missing) else array[missing]
+                for name, array in state.items()
+            }
+            mine[missing] = kept
+            for name, values in kept_state.items():
+                state[name][missing] = values
             if stepped is not None:  # the last step's, which the cache may not have yet
                 mine[stepped[0]] = rows[stepped[0]]
                 for name, values in stepped[1].items():
                     state[name][stepped[0]] = values
+                changed = np.flatnonzero(stepped[0][missing])
+                kept[changed] = mine[missing[changed]]
+                for name, values in kept_state.items():
+                    values[changed] = state[name][missing[changed]]
             if self.prepared is not None:  # two batches in one step: both are its copies
                 self.staged.append(self.prepared.as_copy())
-            self.prepared = Prepared(key, ids, slots, mine, state, self.clock)
+            before = (kept, kept_state)
+            self.prepared = Prepared(key, ids, slots, mine, state, self.clock, before)
         elif len(missing):
             held = ids[missing]
             parts = [rows[missing], *(self._fetch(held, name) for name in self.state)]
@@ -425,9 +441,12 @@ class RowCache:
         return self.fetch(ids, name)
 
     def _store(self, ids: np.ndarray, rows: np.ndarray, state: dict[str, np.ndarray]) -> None:
-        order = np.argsort(ids)  # one pass over the chunks
+        if len(ids) > 1 and not (ids[1:] > ids[:-1]).all():  # one pass over the chunks
+            order = np.argsort(ids)
+            ids, rows = ids[order], rows[order]
+            state = {name: values[order] for name, values in state.items()}
         with self.io_lock:
-            self.store(ids[order], rows[order], "weight")
+            self.store(ids, rows, "weight")
             for name, values in state.items():
-                self.store(ids[order], values[order], name)
+                self.store(ids, values, name)
             self.counts["rows_written"] += len(ids)

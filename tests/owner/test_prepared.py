@@ -182,3 +182,60 @@ def test_after_a_copy_no_step_could_take_the_next_steps_prepare_none_for_a_while
     cache.stage(one, table["weight"][one], (0, step))
     assert cache.prepared is not None
     assert cache.pin(one, (0, step)).prepared is not None
+
+
+@pytest.mark.parametrize("evicted", [False, True], ids=["as_made", "a_row_evicted_since"])
+def test_a_failed_table_write_puts_back_the_uncached_rows_and_state_the_copy_held(evicted):
+    """The uncached rows and state a step puts back if its table write fails are the ones its
+    copy held before the step: kept at the copy's making, with the rows and state the last step
+    changed (not yet in the table) overlaid; taken from the copy itself where a row the copy
+    found cached was evicted since."""
+    import errno
+
+    from embedpipe.cache.policy import LRU
+    from embedpipe.cache.rowcache import RowCache
+    from embedpipe.cache.sharedrows import SharedRows
+
+    table = {
+        "weight": np.arange(40 * 4, dtype=np.float32).reshape(40, 4),
+        "sum": np.full((40, 4), 0.5, dtype=np.float32),
+    }
+    fails = []
+
+    def store(ids, rows, name):
+        if name == "sum" and not fails:  # the weights are written, the state is not
+            fails.append(name)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        table[name][ids] = rows
+
+    fetch = lambda i, n: table[n][i].copy()  # noqa: E731
+    cache = RowCache(SharedRows(40, 2, 4, np.float32), LRU(2, 40), fetch, store, state=("sum",))
+    ids = np.array([1, 2, 3, 5])
+    cache.admit(ids[:1], table["weight"][ids[:1]])  # id 1 cached, the others not
+    rows = table["weight"][ids] + 1  # the rows as handed out
+    changed = np.array([False, True, False, True])  # the last step's rows: 2 and 5
+    stepped_sum = np.full((2, 4), 7.0, dtype=np.float32)
+    cache.stage(ids, rows, (0, 1), (changed, {"sum": stepped_sum}))
+    if evicted:
+        cache.admit(np.array([30, 31]), table["weight"][[30, 31]])  # the cache holds 2: 1 goes
+    uncached = np.flatnonzero(cache.shared.slot_of[ids] < 0)
+    assert len(uncached) == 3 + evicted
+
+    work = cache.gather(ids, cache.pin(ids, (0, 1)))
+    before = work.uncached()
+    assert (work.before is None) == evicted  # then copied from the copy at the step
+    expected_rows = rows[uncached]
+    expected_sum = np.where(changed[:, None], np.float32(7.0), np.full((4, 4), 0.5, np.float32))
+    expected_sum = expected_sum[uncached]
+    if evicted:
+        expected_rows[0] = table["weight"][1]  # the cached row, as the cache held it
+    np.testing.assert_array_equal(before.rows, expected_rows)
+    np.testing.assert_array_equal(before.state["sum"], expected_sum)
+
+    work.rows += 100  # the step, in place
+    work.state["sum"] += 100
+    with pytest.raises(OSError, match="No space"):
+        cache.write_uncached(work, before)
+    assert cache.broken is None
+    np.testing.assert_array_equal(table["weight"][ids[uncached]], expected_rows)
+    np.testing.assert_array_equal(table["sum"][ids[uncached]], expected_sum)
