@@ -221,11 +221,14 @@ class RowCache:
                     state[name][lack] = self._fetch(ids[lack], name)
         return Update(ids, slots, rows, state)
 
-    def _cached(self, slots: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Copies of the rows and state in ``slots``; where a slot is -1, slot 0's, for the
-        caller to replace."""
+    def _cached(
+        self, slots: np.ndarray, rows: bool = True
+    ) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
+        """Copies of the rows (``rows``: else None) and state in ``slots``; where a slot is -1,
+        slot 0's, for the caller to replace."""
         at = np.maximum(slots, 0)
-        return take_rows(self.shared.rows, at), {k: take_rows(v, at) for k, v in self.state.items()}
+        state = {k: take_rows(v, at) for k, v in self.state.items()}
+        return take_rows(self.shared.rows, at) if rows else None, state
 
     @property
     def staged_width(self) -> int:
@@ -238,6 +241,7 @@ class RowCache:
         rows: np.ndarray,
         key: tuple[int, int] | None = None,
         stepped: tuple[np.ndarray, dict[str, np.ndarray]] | None = None,
+        given: bool = False,
     ) -> None:
         """Keep the rows of a training batch that are not cached, with their optimizer state
         read from the table now (a copy, current at this tick), for its optimizer step, so the
@@ -247,21 +251,26 @@ class RowCache:
         With ``key`` (the generation and the step the batch's rows are final after), the
         batch's whole working copy is prepared instead, every row and its state: ``stepped``
         holds the mask of the ids that step changed and their new state. ``rows`` need hold
-        only the rows the cache lacks and those the step changed. Not for the
-        :data:`PREPARE_RETRY` steps after a step that could not take its copy.
+        only the rows the cache lacks and those the step changed; ``given``: ``rows`` holds
+        every row and the caller hands it over, so the copy is ``rows`` itself (an owner process
+        whose hand-off read the batch ahead). Not for the :data:`PREPARE_RETRY` steps after a
+        step that could not take its copy.
         """
         slots = self.shared.slot_of[ids].astype(np.int64)
         self._load_state(slots[slots >= 0])
         missing = np.flatnonzero(slots < 0)
         if key is not None and not self._unprepared:
             # the cached rows from the cache (an owner process has only the others in ``rows``)
-            mine, state = self._cached(slots)
+            mine, state = self._cached(slots, rows=not given)
             kept = rows[missing]  # a copy: kept, as the uncached rows before the step
             kept_state = {
                 name: self._fetch(ids[missing], name) if len(missing) else array[missing]
                 for name, array in state.items()
             }
-            mine[missing] = kept
+            if given:
+                mine = rows
+            else:
+                mine[missing] = kept
             for name, values in kept_state.items():
                 state[name][missing] = values
             if stepped is not None:  # the last step's, which the cache may not have yet

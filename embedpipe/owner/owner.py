@@ -211,7 +211,8 @@ class Owner:
             if self.trains_now:  # its step reads them not again (NOTE in cache/copies.py)
                 key = (self.generation, step) if self.takes_computed_rows else None
                 new = {} if where is None else {k: v[where] for k, v in computed.state.items()}
-                self.cache.stage(mine, my_rows, key, (changed, new))
+                given = ahead is not None and owned is None and deliver is not None
+                self.cache.stage(mine, my_rows, key, (changed, new), given)
                 if self.looks_ahead:
                     self.cache.policy.hold(ids)
         self.counts["batches"] += 1
