@@ -23,8 +23,8 @@ are kept as they are: they are what that step puts back if its write to the tabl
 step copies nothing for that either (measured as above: 1.8-2.0 ms on the claim's path before).
 An owner process whose hand-off read the batch ahead (NOTE [ A hand-off read ahead ] in
 ``owner/reads.py``) holds every row of it, final, in an array of its own: that array becomes
-the copy's rows, and only the state is gathered. A loader that draws the next batch ahead, as Accelerate's does,
-still gets its copies: a batch is claimed when the model first reads it. Merging two batches'
+the copy's rows, and only the state is gathered. A loader that draws the next batch ahead, as
+Accelerate's does, still gets its copies: a batch is claimed when the model first reads it. Merging two batches'
 copies into one would copy more than the step's own gather. Not in bounded mode nor
 for a rank's shard: their hand-offs do not hand out final rows.
 """

@@ -277,8 +277,7 @@ class RowCache:
                 mine[stepped[0]] = rows[stepped[0]]
                 for name, values in stepped[1].items():
                     state[name][stepped[0]] = values
-                changed = np.flatnonzero(stepped[0][missing])
-                kept[changed] = mine[missing[changed]]
+                changed = np.flatnonzero(stepped[0][missing])  # (``kept`` has their rows)
                 for name, values in kept_state.items():
                     values[changed] = state[name][missing[changed]]
             if self.prepared is not None:  # two batches in one step: both are its copies
