@@ -449,9 +449,10 @@ class Stream:
                 self.wake.notify_all()
 
     def _reader(self) -> Any:
-        if self._table is None:  # its own handle: the owner's is used under the lock only
-            table = self.owner.table
+        if self._table is None:  # its own handle: the owner's is used under the lock only,
+            table = self.owner.table  # but it reads the chunks an owner process maps from there
             self._table = Table._reader(table.path, table.root)._array(WEIGHT)
+            self._table.mapped = getattr(table._array(WEIGHT), "mapped", None)
         return self._table
 
 
@@ -484,8 +485,7 @@ def start_stream(owner: Any, make: Callable[[], Any]) -> Any:
 
 
 def look_blind(owner: Any, why: str) -> None:
-    """Stop looking ahead for the rest of ``owner``'s pipe (the policy is LFU from here on),
-    and say why once."""
+    """Stop looking ahead for the rest of ``owner``'s pipe (LFU from here on); say why once."""
     if owner.blind:
         return
     owner.blind = True

@@ -43,8 +43,9 @@ mapping a chunk, of which 2.1 ms numpy's per-call overhead per chunk and 0.9 ms 
 mapping; the scatter alone 0.3-0.5 ms). The owner's reads of rows in chunks so mapped come out of
 the window the same way, one gather where ``RawRows.read`` makes a system call a row (800 rows:
 1.2 against 3.4-3.7 ms); only a chunk whose mapping is still its file's (the same inode) is read
-there. The checks above stay per chunk, a ``stat`` each. With a 5% cache
-at D = 768 with ``owner="process"``, the owner process's CPU fell from 60-64 to 44-46 ms a batch.
+there; the lookahead reader's reads too (its own handle, the owner's window). The checks above
+stay per chunk, a ``stat`` each. With a 5% cache at D = 768 with ``owner="process"``, the owner
+process's CPU fell from 60-64 to 44-46 ms a batch.
 """
 
 from __future__ import annotations
