@@ -271,11 +271,11 @@ class RowCache:
                 mine = rows
             else:
                 mine[missing] = kept
+                if stepped is not None:  # the last step's rows, which the cache may not have yet
+                    mine[stepped[0]] = rows[stepped[0]]
             for name, values in kept_state.items():
                 state[name][missing] = values
-            if stepped is not None:  # the last step's, which the cache may not have yet
-                if not given:  # (given: ``mine`` is ``rows``)
-                    mine[stepped[0]] = rows[stepped[0]]
+            if stepped is not None:  # ... and their state
                 for name, values in stepped[1].items():
                     state[name][stepped[0]] = values
                 changed = np.flatnonzero(stepped[0][missing])  # (``kept`` has their rows)

@@ -288,9 +288,8 @@ class Stream:
     def _gives_up(self) -> bool:
         """``auto`` and most of the last :data:`JUDGED_BATCHES` claims matched nothing foreseen
         (the dataset's ids differ at each read, or the child cannot keep ahead)."""
-        judged = self.matched
-        full = len(judged) == judged.maxlen
-        return getattr(self.policy, "gives_up", False) and full and sum(judged) < len(judged) / 2
+        judged, gives_up = self.matched, getattr(self.policy, "gives_up", False)
+        return gives_up and len(judged) == judged.maxlen and sum(judged) < len(judged) / 2
 
     def _keep_up(self, ready: bool, began: float, waited: float) -> None:
         """Hand the misses back if, over the last :data:`KEEP_UP_BATCHES` hand-offs, the loop
@@ -452,7 +451,8 @@ class Stream:
         if self._table is None:  # its own handle: the owner's is used under the lock only,
             table = self.owner.table  # but it reads the chunks an owner process maps from there
             self._table = Table._reader(table.path, table.root)._array(WEIGHT)
-            self._table.mapped = getattr(table._array(WEIGHT), "mapped", None)
+            with self.owner.lock:
+                self._table.mapped = getattr(table._array(WEIGHT), "mapped", None)
         return self._table
 
 
