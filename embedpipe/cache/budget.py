@@ -81,7 +81,8 @@ def pipe_memory(
     Not counted: the table's own handles and read buffers, a batch's rows while it is used, the
     copies the owner keeps of a training batch's rows and optimizer state for its step (the
     staged rows the cache lacks, and one batch's whole working copy: ``copies.py``), the
-    writeback queue, and the lookahead window's ids (``window`` batches of unique ids).
+    writeback queue, the lookahead window's ids (``window`` batches of unique ids), and an owner
+    process's own memory (an interpreter with torch; docs/tuning.md).
     """
     itemsize = np.dtype(dtype).itemsize
     cache_rows = min(int(cache_rows), int(num_rows))

@@ -225,6 +225,12 @@ def format_advice(advice: dict, args: argparse.Namespace) -> str:
         )
     else:
         lines.append(f"knee: no smaller cache reads {within}: more memory still pays")
+    if best["cache_rows"] < num_rows:
+        lines.append(
+            'not counted: with owner="auto" (the default) a cache smaller than the table has its '
+            "owner in a process of its own, an interpreter with torch (about 150 MiB, "
+            'docs/tuning.md); pass owner="thread" where this budget is all the memory there is'
+        )
     return "\n".join(lines)
 
 
