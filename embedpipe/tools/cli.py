@@ -227,9 +227,8 @@ def format_advice(advice: dict, args: argparse.Namespace) -> str:
         lines.append(f"knee: no smaller cache reads {within}: more memory still pays")
     if best["cache_rows"] < num_rows:
         lines.append(
-            'not counted: with owner="auto" (the default) a cache smaller than the table has its '
-            "owner in a process of its own, an interpreter with torch (about 150 MiB, "
-            'docs/tuning.md); pass owner="thread" where this budget is all the memory there is'
+            'not counted: an owner process, about 150 MiB (owner="auto", the default, starts one '
+            'for a cache smaller than the table); pass owner="thread" where this budget is all'
         )
     return "\n".join(lines)
 
