@@ -1,20 +1,26 @@
 """A table larger than the memory allowed, read from a cold disk; and the whole pipeline's memory.
 
-Two measurements, each loader in a child process of its own, inside a cgroup (v1 memory
-controller) made for it and removed after:
+Two measurements, each loader in a child process of its own (``cold_child.py``), inside a cgroup
+(v1 memory controller) made for it and removed after:
 
-(a) **Cold disk.** A table of ``4 x --cold-limit-mib`` (float32 rows of ``--cold-dim``), a cgroup
-    limited to ``--cold-limit-mib``, the table's pages dropped from the page cache before every
-    timed pass. In the child, side by side, pass after pass: the device's own random-row rate at
-    queue depth 1 and 16 (``os.pread`` of one row at random offsets across the table's chunk
-    files, one and 16 threads), then embedpipe's frozen loader (lazy, and a cache of
-    ``--cold-cache-frac``) over fresh batches: rows read from the table per second, as a ratio to
-    the queue-depth-16 rate of the same round (target >= 0.8x). The trace is uniform by default
-    (``--cold-zipf 0``): popular rows of a Zipf trace would come from the page cache, not the disk,
-    and count as disk reads.
-(b) **Peak memory** of the whole pipeline (main process and workers) with no limit: embedpipe at a
-    ``--cold-cache-frac`` cache against the in-RAM contender (a plain DataLoader of ids and
-    ``nn.Embedding`` holding the whole table), same workers and batches. The target: embedpipe's
+(a) **Cold disk.** A table of ``4 x --cold-limit-mib`` (float32 rows of ``--cold-dim``), two
+    children each in a cgroup limited to ``--cold-limit-mib``: embedpipe's frozen loader lazy
+    (no cache) and with a cache of ``--cold-cache-frac``. They run side by side and take turns,
+    pass by pass, over the same fresh batches (which goes first alternates), the table's pages
+    dropped from the page cache before every pass; before each round, the device's own
+    random-row rate at queue depth 1 and 16 (``os.pread`` of one row at random offsets across the
+    table's chunk files, one and 16 threads). Reported: rows read from the table per second, as a
+    ratio to the queue-depth-16 rate of the same round (target >= 0.8x); and the cached loader's
+    batches per second over lazy loading's in the same round, the median over the rounds
+    (target >= 1.0x). Each child first warms up over passes of its own until its cache is
+    full (``fill_passes``): the speed and the memory measured are a full cache's, as for most of
+    a training run, not a filling one's. The trace is uniform by default (``--cold-zipf 0``):
+    popular rows of a Zipf trace would come from the page cache, not the disk, and count as disk
+    reads.
+(b) **Peak memory** of the whole pipeline (main process and workers) with no limit, after the
+    same warm-up: embedpipe at a ``--cold-cache-frac`` cache against the in-RAM contender (a
+    plain DataLoader of ids and ``nn.Embedding`` holding the whole table), same workers and
+    batches. The target: embedpipe's
     peak <= 1.2 x (its cache + ring + index bytes, from the real objects) + (the contender's
     peak - its table's bytes).
 
@@ -31,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
 import json
 import os
 import shutil
@@ -45,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from . import report as md
-from .cgroup import MemoryCgroup, cgroup_problem, drop_page_cache, pss_tree
+from .cgroup import MemoryCgroup, cgroup_problem, pss_tree
 from .options import fraction, integer
 from .report import target
 
@@ -55,6 +60,7 @@ QUICK = {"cold_limit_mib": 640, "cold_batches": 40, "cold_reads": 6000, "cold_re
 SLACK = 1.2
 TABLE_FACTOR = 4  # the table is this many times the memory allowed
 SAMPLE_S = 0.02
+FILL_PASSES = 12  # the most warm-up passes a child makes to fill its cache (``fill_passes``)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,11 +72,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"memory allowed (a cgroup's limit); the table is {TABLE_FACTOR}x this",
     )
     g.add_argument("--cold-dim", type=integer(1), default=256, help="floats per row (float32)")
-    g.add_argument("--cold-cache-frac", type=fraction, default=0.10, help="embedpipe's cache")
+    g.add_argument(
+        "--cold-cache-frac",
+        type=fraction,
+        default=0.05,
+        help="embedpipe's cache (a share of the table; 10%% of a table 4x the limit outgrows "
+        "the limit once full)",
+    )
     g.add_argument(
         "--cold-batch-size", type=integer(1), default=8, help="sequences of --seq-len per batch"
     )
     g.add_argument("--cold-batches", type=integer(1), default=60, help="batches per timed pass")
+    g.add_argument(
+        "--cold-owner",
+        default="thread",
+        choices=("thread", "process", "auto"),
+        help="the cold loaders' owner (the memory run's is a thread: its bytes are counted from "
+        "its objects)",
+    )
     g.add_argument(
         "--cold-zipf",
         type=float,
@@ -80,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--cold-reads", type=integer(16), default=20_000, help="row reads per device measurement"
     )
-    g.add_argument("--cold-repeats", type=integer(1), default=3, help="timed passes per loader")
+    g.add_argument("--cold-repeats", type=integer(1), default=5, help="timed passes per loader")
 
 
 # ------------------------------------------------------------------------------- the parent
@@ -103,13 +122,14 @@ def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
         "zipf": args.cold_zipf,
         "seed": args.seed,
         "batches": args.cold_batches,
+        "warmup": fill_passes(cache_rows, args.cold_batches * args.cold_batch_size * args.seq_len),
     }
-    cold = {"device_reads": args.cold_reads, "repeats": args.cold_repeats}
-    runs = {
-        "lazy": ({**base, **cold, "kind": "embedpipe", "cache_rows": 0}, limit),
-        "cache": ({**base, **cold, "kind": "embedpipe", "cache_rows": cache_rows}, limit),
-        "memory embedpipe": ({**base, "kind": "embedpipe", "cache_rows": cache_rows}, None),
-        "memory in RAM": ({**base, "kind": "in_ram"}, None),
+    cold = {**base, "kind": "embedpipe", "device_reads": args.cold_reads, "owner": args.cold_owner}
+    cold["repeats"] = args.cold_repeats
+    paired = {"lazy": {**cold, "cache_rows": 0}, "cache": {**cold, "cache_rows": cache_rows}}
+    alone = {
+        "memory embedpipe": {**base, "kind": "embedpipe", "cache_rows": cache_rows},
+        "memory in RAM": {**base, "kind": "in_ram"},
     }
     result: dict[str, Any] = {
         "table_bytes": rows * row_bytes,
@@ -124,11 +144,12 @@ def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     try:
         Table.create(path, rows, args.cold_dim, seed=args.seed).close()
         os.sync()  # dirty pages cannot be dropped from the page cache
-        with tqdm(total=len(runs), desc="cold", unit="loader") as bar:
-            for number, (name, (spec, limit_bytes)) in enumerate(runs.items()):
+        with tqdm(total=args.cold_repeats + len(alone), desc="cold", unit="pass") as bar:
+            bar.set_postfix_str("lazy and cache")
+            result["runs"].update(run_paired(paired, limit, str(os.getpid()), workdir, bar))
+            for number, (name, spec) in enumerate(alone.items()):
                 bar.set_postfix_str(name)
-                name_here = f"{os.getpid()}-{number}"
-                result["runs"][name] = run_child(spec, limit_bytes, name_here, workdir)
+                result["runs"][name] = Child(spec, None, f"{os.getpid()}-{number}", workdir).end()
                 bar.update()
     finally:
         shutil.rmtree(path, ignore_errors=True)
@@ -137,64 +158,160 @@ def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     return result
 
 
-def run_child(
-    spec: dict[str, Any], limit_bytes: int | None, name: str, workdir: str
-) -> dict[str, Any]:
-    """Run one loader in a child (in a cgroup where one can be made), sampling its memory.
+def fill_passes(cache_rows: int, ids_per_pass: int) -> int:
+    """Warm-up passes that fill a cache of ``cache_rows`` from uniform ids (nearly all of a
+    pass's ids are rows not yet cached), and one more: the memory and the speed measured after
+    them are those of a cache that evicts, as for most of a training run. Zipf ids fill it less;
+    at most :data:`FILL_PASSES` (a cache larger than that many passes' ids is left part empty)."""
+    return min(FILL_PASSES, -(-cache_rows // ids_per_pass) + 1)
 
-    Its output goes to files, not pipes: a DataLoader worker orphaned by an out-of-memory kill
-    of its parent would hold a pipe open, and whatever the child left running is killed here."""
-    code = f"import json, sys; from {__name__} import child; print(json.dumps(child(json.loads(sys.argv[1]))))"
-    argv = [sys.executable, "-c", code, json.dumps(spec)]
-    group, problem = None, cgroup_problem()
-    if problem is None:
+
+def run_paired(specs: dict[str, Any], limit: int, name: str, workdir: str, bar: Any) -> dict:
+    """The cold loaders side by side, taking turns pass by pass (the module docstring). A loader
+    whose child ends early (killed out of memory) is reported so; the other goes on alone."""
+    children = {
+        key: Child({**spec, "serve": True}, limit, f"{name}-{key}", workdir)
+        for key, spec in specs.items()
+    }
+    passes: dict[str, dict[str, list[float]]] = {
+        key: {"round": [], "qd1": [], "qd16": [], "rates": [], "seconds": []} for key in specs
+    }
+    alive = list(children)
+
+    def ask(key: str, command: dict[str, int] | None) -> dict[str, float] | None:
         try:
-            group = MemoryCgroup(name, limit_bytes)
-        except OSError as e:  # a read-only cgroup file system, a limit refused...
-            problem = f"cannot make a memory cgroup ({e})"
-    out_path, err_path = (os.path.join(workdir, f"child-{name}.{e}") for e in ("out", "err"))
-    seen: set[int] = set()  # the child's descendants (without a cgroup)
+            return children[key].ask(command)
+        except ChildEnded:
+            alive.remove(key)
+            return None
+
     try:
-        with open(out_path, "w") as out, open(err_path, "w") as err:
-            child = subprocess.Popen(group.command(argv) if group else argv, stdout=out, stderr=err)
-        samples = []  # (time, bytes)
+        for key in list(alive):
+            ask(key, None)  # ready: warmed up
+        for number in range(1, specs[alive[0]]["repeats"] + 1 if alive else 1):
+            device = None
+            while alive and device is None:
+                device = ask(alive[0], {"device": number})
+            for key in alive if number % 2 else alive[::-1]:
+                got = ask(key, {"pass": number})
+                if got is not None and device is not None:
+                    got = {**device, "round": number, **got}
+                    for part in ("round", "qd1", "qd16", "seconds"):
+                        passes[key][part].append(got[part])
+                    passes[key]["rates"].append(got["rate"])
+            bar.update()
+    finally:
+        ended = {key: child.end() for key, child in children.items()}
+    return {key: {**ended[key], **passes[key]} for key in specs}
+
+
+class ChildEnded(Exception):
+    """A loader's child ended before it answered."""
+
+
+class Child:
+    """One loader in a child process (in a cgroup where one can be made), its memory sampled.
+
+    Its output goes to files, not pipes: a DataLoader worker orphaned by an out-of-memory kill of
+    its parent would hold a pipe open. A serving child (``spec["serve"]``) reads its commands from
+    a pipe to its stdin; whatever it left running is killed at :meth:`end`."""
+
+    def __init__(self, spec: dict[str, Any], limit: int | None, name: str, workdir: str) -> None:
+        code = (
+            "import json, sys; from embedpipe.tools.benchmark.cold_child import child; "
+            "print(json.dumps(child(json.loads(sys.argv[1]))))"
+        )
+        argv = [sys.executable, "-c", code, json.dumps(spec)]
+        self.limit, self.group, self.problem = limit, None, cgroup_problem()
+        if self.problem is None:
+            try:
+                self.group = MemoryCgroup(name, limit)
+            except OSError as e:  # a read-only cgroup file system, a limit refused...
+                self.problem = f"cannot make a memory cgroup ({e})"
+        self.out_path, self.err_path = (
+            os.path.join(workdir, f"child-{name}.{e}") for e in ("out", "err")
+        )
+        self.seen: set[int] = set()  # the child's descendants (without a cgroup)
+        self.samples: list[tuple[float, int]] = []  # (time, bytes)
+        self.answers = 0
+        stdin = subprocess.PIPE if spec.get("serve") else subprocess.DEVNULL
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            command = self.group.command(argv) if self.group else argv
+            self.process = subprocess.Popen(command, stdin=stdin, stdout=out, stderr=err)
+        self.sampler = threading.Thread(target=self._sample, daemon=True)
+        self.sampler.start()
+
+    def _sample(self) -> None:
+        while self.process.poll() is None:
+            used = self.group.used() if self.group else pss_tree(self.process.pid, self.seen)
+            self.samples.append((time.time(), used))
+            time.sleep(SAMPLE_S)
+
+    def _lines(self) -> list[str]:
+        with open(self.out_path) as out:
+            return out.read().split("\n")[:-1]  # whole lines only
+
+    def ask(self, command: dict[str, int] | None) -> dict[str, Any]:
+        """Send ``command`` (None: none) and return the child's next answer."""
         try:
-            while child.poll() is None:
-                used = group.used() if group else pss_tree(child.pid, seen)
-                samples.append((time.time(), used))
-                time.sleep(SAMPLE_S)
+            if command is not None:
+                self.process.stdin.write(json.dumps(command).encode() + b"\n")
+                self.process.stdin.flush()
+        except BrokenPipeError as e:
+            raise ChildEnded from e
+        while True:
+            lines = self._lines()
+            if len(lines) > self.answers:
+                self.answers += 1
+                return json.loads(lines[self.answers - 1])
+            if self.process.poll() is not None:
+                raise ChildEnded
+            time.sleep(0.01)
+
+    def end(self) -> dict[str, Any]:
+        """Wait for the child (a serving one ends at the end of its stdin), kill what is left,
+        and return its last line with its memory, or why it failed."""
+        try:
+            if self.process.stdin is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    self.process.stdin.close()
+            self.process.wait()
         finally:
-            child.kill()
-            child.wait()
-            left = group.pids() if group else seen
-            kill(left - {child.pid})
+            self.process.kill()
+            self.process.wait()
+            self.sampler.join()
+            left = self.group.pids() if self.group else self.seen
+            kill(left - {self.process.pid})
+        try:
+            return self._result()
+        finally:
+            if self.group:
+                self.group.close()
+
+    def _result(self) -> dict[str, Any]:
         got: dict[str, Any] = {
-            "limit_bytes": limit_bytes if group else None,
-            "peak_bytes": max((used for _, used in samples), default=0),
-            "measured_by": "cgroup rss+shmem" if group else "sum of PSS",
-            "returncode": child.returncode,
-            "cgroup_problem": problem,
+            "limit_bytes": self.limit if self.group else None,
+            "peak_bytes": max((used for _, used in self.samples), default=0),
+            "measured_by": "cgroup rss+shmem" if self.group else "sum of PSS",
+            "returncode": self.process.returncode,
+            "cgroup_problem": self.problem,
         }
-        if group:
-            got["max_usage_bytes"] = group.max_usage()
-            got["oom_kills"] = group.oom_kills()
-        with open(out_path) as out, open(err_path) as err:
-            stdout, stderr = out.read(), err.read()
-        if child.returncode == 0:
-            got.update(json.loads(stdout.strip().splitlines()[-1]))
-            looping = [used for when, used in samples if when >= got["loop_started"]]
+        if self.group:
+            got["max_usage_bytes"] = self.group.max_usage()
+            got["oom_kills"] = self.group.oom_kills()
+        if self.process.returncode == 0:
+            got.update(json.loads(self._lines()[-1]))
+            looping = [used for when, used in self.samples if when >= got["loop_started"]]
             got["loop_peak_bytes"] = max(looping, default=got["peak_bytes"])
         else:
-            tail = " | ".join(stderr.strip().splitlines()[-3:])
+            with open(self.err_path) as err:
+                tail = " | ".join(err.read().strip().splitlines()[-3:])
             got["error"] = (
                 "killed by the kernel (out of memory under the limit)"
                 if got.get("oom_kills")
-                else f"exit status {child.returncode}: {tail}"
+                else f"exit status {self.process.returncode}: {tail}"
             )
         return got
-    finally:
-        if group:
-            group.close()
 
 
 def kill(pids: set[int]) -> None:
@@ -216,22 +333,15 @@ def batches_per_second(run: dict[str, Any], batches: int | None) -> list[float]:
     return [batches / seconds for seconds in run.get("seconds", [])] if batches else []
 
 
-def against_lazy(result: dict[str, Any], per_device: bool = False) -> float | None:
-    """The cached loader's median batches/s over lazy loading's, same batches. The two run one
-    after the other, each in a child of its own, and the disk's own rate moves between them (by
-    up to 1.3x here): ``per_device``, each pass's batches/s is taken per the queue-depth-16 rate
-    measured just before it, as the rows/s ratio is (which over-corrects a loader that is partly
-    CPU-bound); else as measured, the target's."""
+def against_lazy(result: dict[str, Any]) -> float | None:
+    """The cached loader's batches/s over lazy loading's in the same round (the same batches, one
+    loader right after the other, the page cache dropped before each): the median over rounds."""
     lazy, cache = (
-        _per_device(result["runs"][name], result.get("batches"), per_device)
+        dict(zip(result["runs"][name].get("round", []), result["runs"][name].get("seconds", [])))
         for name in ("lazy", "cache")
     )
-    return float(np.median(cache) / np.median(lazy)) if lazy and cache else None
-
-
-def _per_device(run: dict[str, Any], batches: int | None, per_device: bool) -> list[float]:
-    speed = batches_per_second(run, batches)
-    return [s / d for s, d in zip(speed, run.get("qd16", []))] if per_device else speed
+    paired = [lazy[number] / cache[number] for number in lazy if number in cache]
+    return float(np.median(paired)) if paired else None
 
 
 def budget(result: dict[str, Any]) -> float | None:
@@ -252,20 +362,22 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
     head = (
         f"### Cold disk (table {md.mib(result['table_bytes'])}: {result['rows']:,} x "
         f"{result['dim']} float32, under {where})\n\n"
-        "Each loader in a child process of its own; the table's pages dropped before each pass. "
-        "Device: `os.pread` of one row at random offsets across the chunk files, 1 and 16 "
-        "threads. embedpipe: rows read from the table per second by its frozen loader "
-        f"({args.workers} workers, batches of {args.cold_batch_size} x {args.seq_len} ids, "
+        "The two loaders run side by side, each in a child process and cgroup of its own, and "
+        "take turns pass by pass over the same batches (which goes first alternates); the "
+        "table's pages are dropped before each pass. Device, before each round: `os.pread` of "
+        "one row at random offsets across the chunk files, 1 and 16 threads. embedpipe: rows "
+        "read from the table per second by its frozen loader "
+        f"({args.workers} workers, owner={args.cold_owner!r}, batches of "
+        f"{args.cold_batch_size} x {args.seq_len} ids, "
         f"{'uniform' if args.cold_zipf == 0 else f'Zipf s={args.cold_zipf}'}), as a ratio to "
-        "the queue-depth-16 rate of the same pass; and batches per second, the cached loader's "
-        "as a ratio to lazy loading's, and in brackets with each pass's taken per the "
-        "queue-depth-16 rate measured before it (the two loaders run one after the other, and "
-        "the disk's rate moves between them).\n"
+        "the queue-depth-16 rate of the same round; and batches per second, the cached "
+        "loader's as the median over the rounds of its ratio to lazy loading's in the round. "
+        "Peak: each loader's own cgroup.\n"
     )
     header = ["loader", "QD1 rows/s", "QD16 rows/s", "embedpipe rows/s", "vs QD16", "batches/s"]
     header += ["vs lazy", "peak"]
     rows = []
-    vs_lazy, per_device = against_lazy(result), against_lazy(result, per_device=True)
+    vs_lazy = against_lazy(result)
     for name, label in (("lazy", "lazy (cache 0)"), ("cache", f"cache {result['cache_rows']:,}")):
         r = runs[name]
         if "error" in r:
@@ -280,9 +392,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
                 f"{np.median(r['rates']):,.0f}",
                 md.ratio(md.quartiles(ratios(r))),
                 f"{np.median(speed):,.1f}" if speed else "-",
-                "1.00x"
-                if name == "lazy" or vs_lazy is None
-                else f"{vs_lazy:.2f}x ({per_device:.2f}x)",
+                "1.00x" if name == "lazy" or vs_lazy is None else f"{vs_lazy:.2f}x",
                 md.mib(r["peak_bytes"]),
             ]
         )
@@ -334,132 +444,3 @@ def targets(result: dict[str, Any] | None) -> list[dict[str, Any]]:
     text = "peak memory vs 1.2 x (cache + ring + index) + in-RAM contender without table"
     out.append(target(text, x, "<= 1.00x", None if x is None else x <= 1.0))
     return out
-
-
-# ------------------------------------------------------------------------------- the child
-def table_files(path: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(path, "weight", "c", "*", "0")))
-
-
-def device_rate(files: list[str], row_bytes: int, reads: int, depth: int, seed: int) -> float:
-    """Random one-row reads per second at queue depth ``depth`` (that many threads of
-    ``os.pread``, which releases the GIL), the files' pages dropped first."""
-    fds = [os.open(name, os.O_RDONLY) for name in files]
-    try:
-        rows_per_file = os.fstat(fds[0]).st_size // row_bytes
-        rng = np.random.default_rng(seed)
-        which = rng.integers(0, len(fds), reads).tolist()
-        offsets = (rng.integers(0, rows_per_file, reads) * row_bytes).tolist()
-        for fd in fds:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # one page per read, as embedpipe
-        drop_page_cache(files)
-
-        def read(part: range) -> None:
-            for k in part:
-                os.pread(fds[which[k]], row_bytes, offsets[k])
-
-        threads = [
-            threading.Thread(target=read, args=(range(t, reads, depth),)) for t in range(depth)
-        ]
-        started = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return reads / (time.perf_counter() - started)
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def child(spec: dict[str, Any]) -> dict[str, Any]:
-    """One loader: a warm-up pass, then timed passes over fresh batches (see the docstring)."""
-    import torch
-    from torch import nn
-    from torch.utils.data import DataLoader, Sampler
-
-    from ...pipe.handle import EmbeddingPipe
-    from ...store.table import Table
-    from .traces import TraceDataset, zipf_trace
-
-    torch.set_num_threads(1)
-    table = Table.open(spec["path"])
-    vocab, dim = table.num_rows, table.dim
-    files = table_files(spec["path"])
-    batches, repeats = spec["batches"], spec.get("repeats", 1)
-    trace_args = argparse.Namespace(
-        vocab=vocab,
-        zipf=spec["zipf"],
-        seed=spec["seed"],
-        batch_size=spec["batch_size"],
-        seq_len=spec["seq_len"],
-    )
-    trace = zipf_trace(trace_args, (1 + repeats) * batches)
-    per_pass = batches * spec["batch_size"]
-
-    class Passes(Sampler):
-        """The sequences of pass ``number``: fresh ids every pass (pass 0 is the warm-up)."""
-
-        number = 0
-
-        def __len__(self) -> int:
-            return per_pass
-
-        def __iter__(self):
-            return iter(range(self.number * per_pass, (self.number + 1) * per_pass))
-
-    passes = Passes()
-    kw = {
-        "batch_size": spec["batch_size"],
-        "sampler": passes,
-        "num_workers": spec["workers"],
-        "persistent_workers": spec["workers"] > 0,
-    }
-    dataset = TraceDataset(trace.ids)
-    out: dict[str, Any] = {"qd1": [], "qd16": [], "rates": [], "seconds": []}
-    if spec["kind"] == "in_ram":
-        weight = table.to_tensor()
-        table.close()
-        embedding = nn.Embedding.from_pretrained(weight, freeze=True)
-        out["loop_started"] = time.time()
-        for batch in DataLoader(dataset, **kw):
-            embedding(batch["input_ids"])
-        return out
-    table.close()
-    out["loop_started"] = time.time()
-    with EmbeddingPipe(  # a thread: the cache's bytes are counted from its objects here
-        spec["path"], cache_rows=spec["cache_rows"], owner="thread"
-    ) as pipe:
-        loader = pipe.loader(dataset, **kw)
-        for batch in loader:  # warm-up: workers started
-            batch["inputs_embeds"]
-        owner = pipe._owner
-        out["ring_bytes"] = loader.ring.nbytes if loader.ring is not None else 0
-        out["pipe_bytes"] = out["ring_bytes"] + cache_bytes(owner)
-        for number in range(1, repeats + 1):
-            if spec.get("device_reads"):
-                for depth, key in ((1, "qd1"), (16, "qd16")):
-                    rate = device_rate(files, dim * 4, spec["device_reads"], depth, number)
-                    out[key].append(rate)
-            passes.number = number
-            drop_page_cache(files)
-            before = pipe.stats()["rows_read"]
-            started = time.perf_counter()
-            for batch in loader:
-                batch["inputs_embeds"]
-            seconds = time.perf_counter() - started
-            out["seconds"].append(seconds)
-            out["rates"].append((pipe.stats()["rows_read"] - before) / seconds)
-        del loader
-    return out
-
-
-def cache_bytes(owner: Any) -> int:
-    """The cache's shared block (rows, slot ids, versions, the per-row ``slot_of``) and the
-    owner's per-slot and per-row arrays (``last_updated``, the policy's counts)."""
-    total = len(owner.shared.block.mmap)
-    for part in (owner.cache, owner.cache.policy):
-        for value in vars(part).values():
-            if isinstance(value, np.ndarray):
-                total += value.nbytes
-    return total
