@@ -251,7 +251,7 @@ def test_a_cold_disk_hands_the_misses_back_to_the_workers_at_once(tmp_path):
     """NOTE [ Misses read by the owner ]: the reader's first batch comes from the disk, not the
     page cache, so the workers read the misses from then on, in parallel; the rows stay right."""
     from embedpipe.tools.benchmark.cgroup import drop_page_cache
-    from embedpipe.tools.benchmark.cold import table_files
+    from embedpipe.tools.benchmark.cold_child import table_files
 
     path = tmp_path / "t.zarr"
     weight = torch.randn(8000, 256)
