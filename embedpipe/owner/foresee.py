@@ -132,9 +132,13 @@ class IdsReader:
         return self._ids, self._credits
 
     def handed_over(self) -> None:
-        for fd in (self._ids, self._credits):
-            os.close(fd)
+        """Close this process's ends once sent; those :meth:`close` closed already (the hand-over
+        failed: the owner process died, say) are not closed twice."""
+        ends = (self._ids, self._credits)
         self._ids, self._credits = -1, None
+        for fd in ends:
+            if fd is not None and fd >= 0:
+                os.close(fd)
 
     def credit(self, batches: int) -> None:
         """Let the child read ``batches`` more batches."""

@@ -179,6 +179,25 @@ def test_a_dead_owner_process_is_raised_within_seconds_naming_the_checkpoint(
     assert reopened.step == 2 and np.array_equal(reopened.read(np.arange(1000)), at_2)
 
 
+def test_an_owner_process_dead_between_epochs_is_raised_as_its_death(tmp_path, data):
+    """The owner process dies between two epochs: the next epoch's start (its lookahead stream,
+    handed to the owner) raises OwnerDiedError, not an error of the stream's own cleanup."""
+    embedpipe.Table.create(tmp_path / "t.zarr", 1000, 8).close()
+    pipe = EmbeddingPipe(
+        tmp_path / "t.zarr", cache_rows=30, optimizer=embedpipe.optim.SGD(lr=0.1), owner="process"
+    )
+    assert pipe._owner.looks_ahead  # the default policy reads the loader's order ahead
+    loader = pipe.loader(data, batch_size=8, num_workers=2)
+    for batch in loader:
+        batch["inputs_embeds"].sum().backward()
+        pipe.step()
+    os.kill(pipe._owner.process.pid, signal.SIGKILL)
+    with pytest.raises(OwnerDiedError, match="killed by SIGKILL"):
+        for batch in loader:
+            batch["inputs_embeds"]
+    pipe.close()
+
+
 @pytest.mark.slow
 def test_a_killed_trainer_takes_its_owner_process_with_it(tmp_path):
     """kill -9 of the training process: its owner process ends within seconds, without a
