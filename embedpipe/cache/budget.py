@@ -49,6 +49,16 @@ class MemoryBudgetWarning(RuntimeWarning):
     """A pipe (or its loader's ring) asks for more memory than this process has available."""
 
 
+# NOTE [ A cache that fills past the memory ]
+# The check at the pipe's making compares its arrays with the room left then. The cache's
+# pages are taken as it fills, and meanwhile the DataLoader's workers, the lookahead's child and
+# the model take their own: a 10% cache of a 3 GiB table fitted a 768 MiB cgroup when made and
+# was killed by the kernel, with no word, as it filled (docs/benchmarks.md). So while the cache
+# fills, the owner compares what it will still take (its shared block's pages not yet touched,
+# and as large a share of its optimizer state) with the room left, every few hand-offs, and
+# warns once before the kernel kills the job.
+
+
 # ----------------------------------------------------------------------------- what a pipe costs
 def pipe_memory(
     num_rows: int,
@@ -256,6 +266,28 @@ def warn_if_too_big(needed_bytes: int, what: str, *, stacklevel: int = 3) -> Non
         MemoryBudgetWarning,
         stacklevel=stacklevel,
     )
+
+
+def warn_if_fill_will_not_fit(unfilled_bytes: int, cache_rows: int) -> bool:
+    """Warn (:class:`MemoryBudgetWarning`) if a cache still filling will take more memory than
+    :func:`available_memory` leaves (NOTE [ A cache that fills past the memory ]). Returns
+    whether to look again later: False once the cache is full or the warning given."""
+    if unfilled_bytes <= 0:
+        return False
+    available = available_memory()
+    if available is None or unfilled_bytes <= available:
+        return True
+    warnings.warn(
+        f"the cache of {cache_rows:,} rows is filling and will take "
+        f"{format_bytes(unfilled_bytes)} more, but this process has {format_bytes(available)} "
+        "of memory available (cgroup limit or free RAM; the DataLoader's workers and the rest "
+        "of the job took the rest since the pipe was made): the kernel will kill the job as "
+        "the cache fills. Pass a smaller cache_rows (`embedpipe advise --memory` finds the "
+        "largest that fits; leave room for the processes) or give the job more memory",
+        MemoryBudgetWarning,
+        stacklevel=2,
+    )
+    return False
 
 
 def parse_bytes(text: str) -> int:

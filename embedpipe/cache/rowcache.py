@@ -10,6 +10,7 @@ the slot's seqlock.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -156,6 +157,15 @@ class RowCache:
             slots = self.shared.slot_of[ids].astype(np.int64)
             self.last_admitted = len(admitted)
         self.policy.record(ids, slots)
+
+    def unfilled_bytes(self) -> int:
+        """Memory this cache will still take as it fills (NOTE [ A cache that fills past the
+        memory ] in ``budget.py``): its shared block's pages not yet touched (the kernel's count
+        of the block's pages), and that share of its optimizer state (zeros not yet touched)."""
+        size = len(self.shared.block.mmap)
+        untouched = max(0, size - os.fstat(self.shared.block.fd).st_blocks * 512)
+        state = sum(array.nbytes for array in self.state.values())
+        return untouched + state * untouched // max(1, size)
 
     # ----------------------------------------------------------------- writeback thread
     def pin(self, ids: np.ndarray, key: tuple[int, int] | None = None) -> Pinned:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cache import ordering
+from ..cache import budget, ordering
 from ..cache.policy import LRU, Lookahead
 from ..cache.ring import BatchRing
 from ..cache.rowcache import RowCache
@@ -58,6 +58,11 @@ from .writeback import Writeback
 #: and to them; ``read_ahead``: hand-offs whose rows were read before their claim (``reads.py``).
 COUNTS = ("batches", "hits", "misses", "deferred", "filled_ahead", "refreshed", "relookups",
           "ring_overruns", "remote_rows", "served_rows", "read_ahead")  # fmt: skip
+
+
+#: Hand-offs between two looks at the memory a filling cache will still take (NOTE [ A cache
+#: that fills past the memory ] in ``cache/budget.py``; a look costs ~0.25 ms).
+FILL_CHECK_EVERY = 8
 
 
 def take_options(
@@ -110,6 +115,7 @@ class Owner:
                 table.dim, optimizer.lr, self.check_step, self.submit, parameter
             )
         self.counts = dict.fromkeys(COUNTS, 0)
+        self._filling = True  # the cache may still fill: NOTE in cache/budget.py
         self._step_in_progress: int | None = None  # for the messages of failed table writes
         self._computed: Computed | None = None  # the last step's rows, once computed
         #: The policy sees the loader's next batches (``lookahead.py``); ``stream`` feeds it.
@@ -218,6 +224,9 @@ class Owner:
         self.counts["batches"] += 1
         self.counts["hits"] += hits
         self.counts["misses"] += misses
+        if self._filling and self.counts["batches"] % FILL_CHECK_EVERY == 0:  # NOTE in budget.py
+            unfilled = self.cache.unfilled_bytes()
+            self._filling = budget.warn_if_fill_will_not_fit(unfilled, self.shared.cache_rows)
         return rows, step, tick
 
     def relookup(self, batch: EmbeddedBatch, ids: torch.Tensor) -> None:

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..cache import budget
 from ..cache.ring import BatchRing
 from ..cache.sharedrows import SharedRows
 from ..cache.shm import SharedBlock
@@ -412,7 +413,7 @@ class RemoteOwner:
                 raise self._died() from e
         error = answer.get("error")
         for category, text in answer["warnings"]:
-            kind = getattr(builtins, category, RuntimeWarning)
+            kind = getattr(builtins, category, None) or getattr(budget, category, RuntimeWarning)
             kind = kind if isinstance(kind, type) and issubclass(kind, Warning) else RuntimeWarning
             with contextlib.suppress(Warning) if error is not None else contextlib.nullcontext():
                 warnings.warn(text, kind, stacklevel=3)  # -W error: it must not hide the error

@@ -8,6 +8,8 @@ cache + ring + 12 bytes per table row (+ 8 MiB for the allocator).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import psutil
 import pytest
@@ -85,3 +87,37 @@ def test_neither_owner_nor_workers_grow_with_the_table(tmp_path):
     assert len(workers_start) == len(workers_end) == 2
     for start, end in zip(workers_start, workers_end):
         assert end - start < budget, (end - start) / 2**20
+
+
+def test_a_cache_that_will_not_fit_as_it_fills_warns_before_it_does(tmp_path, monkeypatch):
+    """NOTE [ A cache that fills past the memory ] (cache/budget.py): the room left is checked
+    while the cache fills, not only when the pipe is made (a real pipe, its real shared cache;
+    only the room the kernel reports is made small, after the pipe was made with room enough)."""
+    from embedpipe.cache import budget
+
+    embedpipe.Table.create(tmp_path / "t.zarr", 20_000, 64).close()
+    data = [{"input_ids": torch.arange(i * 128, (i + 1) * 128) % 20_000} for i in range(64)]
+    with EmbeddingPipe(tmp_path / "t.zarr", cache_rows=10_000, owner="thread") as pipe:
+        cache = pipe._owner.cache
+        before = cache.unfilled_bytes()
+        assert before > 10_000 * 64 * 4 // 2  # made: most of the rows' pages not taken yet
+        room = {"bytes": 10 * before}
+        monkeypatch.setattr(budget, "available_memory", lambda: room["bytes"])
+        loader = pipe.loader(data, batch_size=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # room enough: no warning
+            batches = iter(loader)
+            for _ in range(8):
+                next(batches)["inputs_embeds"]
+        filled = cache.unfilled_bytes()
+        assert filled < before  # the kernel counts the pages the admissions took
+        room["bytes"] = filled // 2  # the workers and the model took the rest
+        with pytest.warns(budget.MemoryBudgetWarning) as caught:
+            for _ in range(8):
+                next(batches)["inputs_embeds"]
+        message = str(caught[0].message)
+        assert "the cache of 10,000 rows is filling" in message and "cache_rows" in message
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once
+            for batch in batches:
+                batch["inputs_embeds"]
