@@ -281,7 +281,7 @@ def warn_if_fill_will_not_fit(unfilled_bytes: int, cache_rows: int) -> bool:
         f"the cache of {cache_rows:,} rows is filling and will take "
         f"{format_bytes(unfilled_bytes)} more, but this process has {format_bytes(available)} "
         "of memory available (cgroup limit or free RAM; the DataLoader's workers and the rest "
-        "of the job took the rest since the pipe was made): the kernel will kill the job as "
+        "of the job took the rest since the pipe was made): the kernel will kill the job if "
         "the cache fills. Pass a smaller cache_rows (`embedpipe advise --memory` finds the "
         "largest that fits; leave room for the processes) or give the job more memory",
         MemoryBudgetWarning,
