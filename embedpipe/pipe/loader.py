@@ -204,8 +204,7 @@ class PipeLoader(DataLoader):
             if dead:
                 raise WorkerDiedError(
                     f"DataLoader worker (pid {dead[0].pid}) died ({exit_reason(dead[0].exitcode)}) "
-                    "while loading batches; see the worker's own output above for why "
-                    "(out of memory is the usual cause of a SIGKILL)"
+                    "while loading batches; see the worker's own output above for why"
                 ) from e
             raise
 

@@ -95,10 +95,13 @@ def _watch(parent: int) -> None:
 
 
 def exit_reason(code: int) -> str:
-    """A child process's exit code in words: "killed by SIGKILL", "exit status 1"."""
+    """A child process's exit code in words: "killed by SIGTERM", "exit status 1"; a SIGKILL
+    with its usual cause (the kernel's OOM killer sends it)."""
     if code < 0:
         try:
-            return f"killed by {signal.Signals(-code).name}"
+            name = signal.Signals(-code).name
         except ValueError:
             return f"killed by signal {-code}"
+        usual = ": out of memory is the usual cause" if name == "SIGKILL" else ""
+        return f"killed by {name}{usual}"
     return f"exit status {code}"

@@ -57,7 +57,7 @@ def test_a_worker_that_dies_raises_in_the_loop(path):
         # embedpipe's WorkerDiedError, or torch's own when its SIGCHLD handler fires first
         with pytest.raises(
             RuntimeError,
-            match=r"worker \(pid \d+\) (died \(killed by SIGKILL\)|is killed by signal)",
+            match=r"worker \(pid \d+\) (died \(killed by SIGKILL: out of memory|is killed by signal)",
         ):
             for _ in loader:
                 pass
