@@ -188,11 +188,12 @@ def run_paired(specs: dict[str, Any], limit: int, name: str, workdir: str, bar: 
     try:
         for key in list(alive):
             ask(key, None)  # ready: warmed up
-        for number in range(1, specs[alive[0]]["repeats"] + 1 if alive else 1):
+        repeats = max(spec["repeats"] for spec in specs.values())
+        for number in range(1, repeats + 1):
             device = None
             while alive and device is None:
                 device = ask(alive[0], {"device": number})
-            for key in alive if number % 2 else alive[::-1]:
+            for key in list(alive) if number % 2 else alive[::-1]:  # copies: ask may remove
                 got = ask(key, {"pass": number})
                 if got is not None and device is not None:
                     got = {**device, "round": number, **got}
