@@ -275,7 +275,9 @@ def warn_if_fill_will_not_fit(unfilled_bytes: int, cache_rows: int) -> bool:
     if unfilled_bytes <= 0:
         return False
     available = available_memory()
-    if available is None or unfilled_bytes <= available:
+    if available is None:  # nothing to compare with here
+        return False
+    if unfilled_bytes <= available:
         return True
     warnings.warn(
         f"the cache of {cache_rows:,} rows is filling and will take "

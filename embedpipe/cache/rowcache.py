@@ -162,10 +162,11 @@ class RowCache:
         """Memory this cache will still take as it fills (NOTE [ A cache that fills past the
         memory ] in ``budget.py``): its shared block's pages not yet touched (the kernel's count
         of the block's pages), and that share of its optimizer state (zeros not yet touched)."""
-        size = len(self.shared.block.mmap)
+        size, fresh = len(self.shared.block.mmap), self.shared.rows.nbytes
+        fresh += self.shared.version.nbytes  # the parts of the block made untouched (zeros)
         untouched = max(0, size - os.fstat(self.shared.block.fd).st_blocks * 512)
         state = sum(array.nbytes for array in self.state.values())
-        return untouched + state * untouched // max(1, size)
+        return untouched + state * min(untouched, fresh) // max(1, fresh)
 
     # ----------------------------------------------------------------- writeback thread
     def pin(self, ids: np.ndarray, key: tuple[int, int] | None = None) -> Pinned:

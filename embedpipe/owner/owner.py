@@ -115,7 +115,7 @@ class Owner:
                 table.dim, optimizer.lr, self.check_step, self.submit, parameter
             )
         self.counts = dict.fromkeys(COUNTS, 0)
-        self._filling = True  # the cache may still fill: NOTE in cache/budget.py
+        self._filling = policy.cache_rows > 0  # the cache may still fill: NOTE in cache/budget.py
         self._step_in_progress: int | None = None  # for the messages of failed table writes
         self._computed: Computed | None = None  # the last step's rows, once computed
         #: The policy sees the loader's next batches (``lookahead.py``); ``stream`` feeds it.
@@ -225,7 +225,7 @@ class Owner:
         self.counts["hits"] += hits
         self.counts["misses"] += misses
         if self._filling and self.counts["batches"] % FILL_CHECK_EVERY == 0:  # NOTE in budget.py
-            unfilled = self.cache.unfilled_bytes()
+            unfilled, self._filling = self.cache.unfilled_bytes(), False  # (once, if it raises)
             self._filling = budget.warn_if_fill_will_not_fit(unfilled, self.shared.cache_rows)
         return rows, step, tick
 

@@ -121,3 +121,19 @@ def test_a_cache_that_will_not_fit_as_it_fills_warns_before_it_does(tmp_path, mo
             warnings.simplefilter("error")  # once
             for batch in batches:
                 batch["inputs_embeds"]
+
+
+def test_a_new_training_cache_has_its_optimizer_state_still_to_fill(tmp_path):
+    """What a cache will still take counts its optimizer state by the share of its rows still
+    untouched, not by the share of the whole shared block (whose per-table-row index is
+    written when it is made: a table 100x the cache)."""
+    embedpipe.Table.create(tmp_path / "t.zarr", 100_000, 64).close()
+    adagrad = embedpipe.optim.Adagrad(lr=0.1)
+    with EmbeddingPipe(
+        tmp_path / "t.zarr", cache_rows=1_000, optimizer=adagrad, owner="thread"
+    ) as pipe:
+        cache = pipe._owner.cache
+        state = sum(array.nbytes for array in cache.state.values())
+        expected = cache.shared.rows.nbytes + cache.shared.version.nbytes + state
+        assert state == cache.shared.rows.nbytes  # Adagrad: one sum a row
+        assert 0.95 * expected <= cache.unfilled_bytes() <= expected
