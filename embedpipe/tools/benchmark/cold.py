@@ -60,6 +60,7 @@ QUICK = {"cold_limit_mib": 640, "cold_batches": 40, "cold_reads": 6000, "cold_re
 SLACK = 1.2
 TABLE_FACTOR = 4  # the table is this many times the memory allowed
 SAMPLE_S = 0.02
+ANSWER_S = 900  # the longest a loader's child may take to answer (its warm-up, or a pass)
 FILL_PASSES = 12  # the most warm-up passes a child makes to fill its cache (``fill_passes``)
 
 
@@ -169,14 +170,11 @@ def fill_passes(cache_rows: int, ids_per_pass: int) -> int:
 def run_paired(specs: dict[str, Any], limit: int, name: str, workdir: str, bar: Any) -> dict:
     """The cold loaders side by side, taking turns pass by pass (the module docstring). A loader
     whose child ends early (killed out of memory) is reported so; the other goes on alone."""
-    children = {
-        key: Child({**spec, "serve": True}, limit, f"{name}-{key}", workdir)
-        for key, spec in specs.items()
-    }
+    children: dict[str, Child] = {}
     passes: dict[str, dict[str, list[float]]] = {
         key: {"round": [], "qd1": [], "qd16": [], "rates": [], "seconds": []} for key in specs
     }
-    alive = list(children)
+    alive: list[str] = []
 
     def ask(key: str, command: dict[str, int] | None) -> dict[str, float] | None:
         try:
@@ -185,7 +183,11 @@ def run_paired(specs: dict[str, Any], limit: int, name: str, workdir: str, bar: 
             alive.remove(key)
             return None
 
+    done = False
     try:
+        for key, spec in specs.items():
+            children[key] = Child({**spec, "serve": True}, limit, f"{name}-{key}", workdir)
+        alive.extend(children)
         for key in list(alive):
             ask(key, None)  # ready: warmed up
         repeats = max(spec["repeats"] for spec in specs.values())
@@ -201,8 +203,16 @@ def run_paired(specs: dict[str, Any], limit: int, name: str, workdir: str, bar: 
                         passes[key][part].append(got[part])
                     passes[key]["rates"].append(got["rate"])
             bar.update()
+        done = True
     finally:
-        ended = {key: child.end() for key, child in children.items()}
+        ended, failed = {}, []
+        for key, child in children.items():  # each ended, whatever another's end raises
+            try:
+                ended[key] = child.end(wait=done)
+            except BaseException as e:
+                failed.append(e)
+        if failed and done:  # (else the section's own error goes on)
+            raise failed[0]
     return {key: {**ended[key], **passes[key]} for key in specs}
 
 
@@ -236,9 +246,14 @@ class Child:
         self.samples: list[tuple[float, int]] = []  # (time, bytes)
         self.answers = 0
         stdin = subprocess.PIPE if spec.get("serve") else subprocess.DEVNULL
-        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            command = self.group.command(argv) if self.group else argv
-            self.process = subprocess.Popen(command, stdin=stdin, stdout=out, stderr=err)
+        try:
+            with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+                command = self.group.command(argv) if self.group else argv
+                self.process = subprocess.Popen(command, stdin=stdin, stdout=out, stderr=err)
+        except BaseException:
+            if self.group:
+                self.group.close()
+            raise
         self.sampler = threading.Thread(target=self._sample, daemon=True)
         self.sampler.start()
 
@@ -260,23 +275,28 @@ class Child:
                 self.process.stdin.flush()
         except BrokenPipeError as e:
             raise ChildEnded from e
+        deadline = time.monotonic() + ANSWER_S
         while True:
             lines = self._lines()
             if len(lines) > self.answers:
                 self.answers += 1
                 return json.loads(lines[self.answers - 1])
+            if time.monotonic() > deadline:
+                self.process.kill()  # hung: reported as ended
             if self.process.poll() is not None:
                 raise ChildEnded
             time.sleep(0.01)
 
-    def end(self) -> dict[str, Any]:
-        """Wait for the child (a serving one ends at the end of its stdin), kill what is left,
-        and return its last line with its memory, or why it failed."""
+    def end(self, wait: bool = True) -> dict[str, Any]:
+        """Wait for the child (a serving one ends at the end of its stdin; ``wait`` False: not
+        at all, the section failed), kill what is left, and return its last line with its
+        memory, or why it failed."""
         try:
             if self.process.stdin is not None:
                 with contextlib.suppress(BrokenPipeError):
                     self.process.stdin.close()
-            self.process.wait()
+            if wait:
+                self.process.wait()
         finally:
             self.process.kill()
             self.process.wait()
