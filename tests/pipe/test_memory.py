@@ -8,7 +8,11 @@ cache + ring + 12 bytes per table row (+ 8 MiB for the allocator).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -137,3 +141,37 @@ def test_a_new_training_cache_has_its_optimizer_state_still_to_fill(tmp_path):
         expected = cache.shared.rows.nbytes + cache.shared.version.nbytes + state
         assert state == cache.shared.rows.nbytes  # Adagrad: one sum a row
         assert 0.95 * expected <= cache.unfilled_bytes() <= expected
+
+
+FILLING_IN_AN_OWNER_PROCESS = """
+import warnings, torch, embedpipe
+from embedpipe.pipe import EmbeddingPipe
+data = [{"input_ids": torch.arange(i * 128, (i + 1) * 128) % 20_000} for i in range(32)]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with EmbeddingPipe(PATH, cache_rows=10_000, owner="process") as pipe:
+        for batch in pipe.loader(data, batch_size=2):
+            batch["inputs_embeds"]
+filling = [w for w in caught if "is filling" in str(w.message)]
+print(len(filling), filling[0].category.__name__ if filling else None)
+"""
+
+
+def test_a_filling_cache_warns_from_an_owner_process_too(tmp_path):
+    """The owner process's warning reaches the training process, as a MemoryBudgetWarning. Both
+    processes see a memory of 1 byte, through a ``sitecustomize`` the owner's interpreter (a
+    fresh one, which inherits the environment) loads too."""
+    embedpipe.Table.create(tmp_path / "t.zarr", 20_000, 64).close()
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import embedpipe.cache.budget as budget\nbudget.available_memory = lambda: 1\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    code = FILLING_IN_AN_OWNER_PROCESS.replace("PATH", repr(str(tmp_path / "t.zarr")))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(root)])}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "MemoryBudgetWarning"]
