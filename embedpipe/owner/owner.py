@@ -225,7 +225,8 @@ class Owner:
         self.counts["hits"] += hits
         self.counts["misses"] += misses
         if self._filling and self.counts["batches"] % FILL_CHECK_EVERY == 0:  # NOTE in budget.py
-            unfilled, self._filling = self.cache.unfilled_bytes(), False  # (once, if it raises)
+            self._filling = False  # once, even if the warning raises (-W error)
+            unfilled = self.cache.unfilled_bytes()
             self._filling = budget.warn_if_fill_will_not_fit(unfilled, self.shared.cache_rows)
         return rows, step, tick
 
