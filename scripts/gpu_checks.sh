@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, in one run (about five minutes on an H200: the sum of its
-# parts' times there; docs/gpu.md gives the figures, the page's profile, switch-interval and
-# 5%-cache owner-process runs were made by hand): the CUDA parity tests, then
-# scripts/train_bert.py with BERT-base's encoder (hidden 768, 12 layers, 32 x 128 tokens, bf16
-# autocast, Adagrad) against nn.Embedding on the GPU, at BERT-base's vocabulary and at a 250k-row
-# multilingual one, with a 5% cache, a larger one, the owner in a process and bounded
-# consistency. Each log goes to $OUT (default: ./gpu-checks); a check that fails does not stop
-# the others, and the script exits non-zero if any failed (2 at once without a CUDA device).
+# The checks that need a CUDA GPU, in one run (docs/gpu.md gives the figures and what each took):
+# the CUDA parity tests; scripts/train_bert.py with BERT-base's encoder (hidden 768, 12 layers,
+# 32 x 128 tokens, bf16 autocast, Adagrad) against nn.Embedding on the GPU, at BERT-base's
+# vocabulary and at a 250k-row multilingual one, with a 5% cache, a larger one, the owner in a
+# thread and in a process, and bounded consistency; and `embedpipe bench`'s simulated
+# accelerator step on this machine's CPUs (the GIL released for the whole step, then held for
+# 80% of it). Checks run in the order below, the most wanted first; name some to run only those.
+# Each log goes to $OUT (default: ./gpu-checks); a check that fails does not stop the others,
+# and the script exits non-zero if any failed (2 at once without a CUDA device).
 #
-#   bash scripts/gpu_checks.sh            # embedpipe importable: pip install -e ".[hf]", or PYTHONPATH
+#   bash scripts/gpu_checks.sh                   # all; embedpipe importable: pip install -e ".[hf]"
+#   bash scripts/gpu_checks.sh parity accel      # only these two
 set -u
 out=${OUT:-gpu-checks}
 mkdir -p "$out"
 python=${PYTHON:-python3}
 failed=0
+checks=("$@")
 
 run() {  # run NAME SECONDS COMMAND...: COMMAND's output to $out/NAME.txt and to stdout
     local name=$1 seconds=$2
@@ -38,12 +41,20 @@ fi
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     echo "$(nproc) CPUs; $("$python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 } | tee "$out/machine.txt"
-run parity 120 "$python" -m pytest tests/pipe/test_cuda.py -v -s -p no:cacheprovider
+want() {  # want NAME: whether NAME is among the checks asked for (all when none are)
+    [ ${#checks[@]} -eq 0 ] || [[ " ${checks[*]} " == *" $1 "* ]]
+}
 all=(--vocab 30522 --cache-rows 30522 --steps 300)  # the whole table cached (89 MiB + its sum)
-run bert_30k_5pct 150 "$python" "${bert[@]}" --vocab 30522 --steps 300 --baseline
-run bert_30k_all 150 "$python" "${bert[@]}" "${all[@]}" --baseline
-run bert_30k_all_process 100 "$python" "${bert[@]}" "${all[@]}" --owner process
-run bert_30k_all_bounded 100 "$python" "${bert[@]}" "${all[@]}" --max-staleness 1
-run bert_250k_5pct 180 "$python" "${bert[@]}" --vocab 250002 --steps 200 --baseline
-run bert_250k_20pct 180 "$python" "${bert[@]}" --vocab 250002 --steps 200 --cache-rows 50000 --baseline
+accel=(-m embedpipe bench --skip rows handoff throughput tokenized model memory cold
+       --accel-repeats 7)  # the simulated accelerator step, on this machine's CPUs
+want parity && run parity 120 "$python" -m pytest tests/pipe/test_cuda.py -v -s -p no:cacheprovider
+want bert_30k_5pct && run bert_30k_5pct 150 "$python" "${bert[@]}" --vocab 30522 --steps 300 --baseline
+want accel && run accel 150 "$python" "${accel[@]}" --json "$out/accel.json"
+want bert_250k_5pct && run bert_250k_5pct 180 "$python" "${bert[@]}" --vocab 250002 --steps 200 --baseline
+want bert_30k_5pct_thread && run bert_30k_5pct_thread 100 "$python" "${bert[@]}" --vocab 30522 --steps 300 --owner thread
+want accel_hold && run accel_hold 150 "$python" "${accel[@]}" --accel-hold 0.8 --json "$out/accel_hold.json"
+want bert_30k_all && run bert_30k_all 150 "$python" "${bert[@]}" "${all[@]}" --baseline
+want bert_30k_all_process && run bert_30k_all_process 100 "$python" "${bert[@]}" "${all[@]}" --owner process
+want bert_30k_all_bounded && run bert_30k_all_bounded 100 "$python" "${bert[@]}" "${all[@]}" --max-staleness 1
+want bert_250k_20pct && run bert_250k_20pct 180 "$python" "${bert[@]}" --vocab 250002 --steps 200 --cache-rows 50000 --baseline
 exit "$failed"
