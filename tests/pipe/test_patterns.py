@@ -485,3 +485,50 @@ def test_a_resumed_optimizer_scales_the_table_from_the_rate_it_was_built_with(tm
         return out
 
     assert torch.equal(run("straight.zarr", None), run("resumed.zarr", 3))
+
+
+def scaled_steps(model, batches, optimizers, offloaded: bool, inf_at: int) -> list[float]:
+    """A GradScaler loop (float32 on CPU: a power-of-two scale is exact), clipping after the
+    unscale; batch ``inf_at``'s loss is inf, so the scaler skips that step. The scales seen."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scales = []
+    for k, batch in enumerate(batches):
+        out = loss(model, batch, offloaded) * (float("inf") if k == inf_at else 1.0)
+        scaler.scale(out).backward()
+        for optimizer in optimizers:
+            scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        for optimizer in optimizers:
+            scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+    return scales
+
+
+@pytest.mark.parametrize("owner", ["thread", "process"])
+def test_a_grad_scaler_unscales_the_table_and_skips_its_step_on_inf(tmp_path, owner):
+    """torch.amp.GradScaler with clipping, one step skipped for an inf loss: the table and the
+    dense weights as nn.Embedding's under the same loop (the skipped step's gradient is dropped,
+    not applied later, and the table's gradient is unscaled before the clip sees it)."""
+    data = samples(24)
+    reference = Toy()
+    expected = scaled_steps(
+        reference, torch.utils.data.DataLoader(data, batch_size=4), reference_optimizer(reference),
+        offloaded=False, inf_at=2,
+    )  # fmt: skip
+    model = Toy()
+    with offloaded(tmp_path, model, owner=owner) as pipe:
+        optimizer = torch.optim.AdamW(
+            [{"params": model.lin.parameters()}, {"params": [pipe.parameter], "lr": ADAGRAD["lr"]}],
+            lr=1e-2,
+        )
+        got = scaled_steps(
+            model, pipe.loader(data, batch_size=4, num_workers=2), [optimizer], True, inf_at=2
+        )
+        assert got == expected and got[2] < got[1]  # the scaler saw the inf in both runs
+        pipe.flush()
+        assert pipe.stats()["steps"] == 5  # six batches, one skipped
+        assert torch.equal(table(pipe), reference.emb.weight.detach())
+        assert torch.equal(model.lin.weight, reference.lin.weight)
