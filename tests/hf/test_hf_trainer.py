@@ -233,3 +233,33 @@ def test_loaders_are_the_pipes_and_no_module_global_is_patched(tmp_path):
             assert batch["inputs_embeds"].shape[0] == size
     finally:
         pipe.close()
+
+
+def eval_losses(trainer) -> list[float]:
+    return [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
+
+
+def test_evaluation_every_few_steps_inside_training_changes_nothing(tmp_path):
+    """eval_strategy="steps": the Trainer evaluates through its own loader (2 workers) every 3
+    steps, between two training batches of one epoch, while the training loader's workers hold
+    batches looked up before the steps since. The evaluation losses, the table and the dense
+    weights as nn.Embedding's under the same loop, bit for bit."""
+    data, held_out = samples(36), samples(16, seed=1)
+    every = dict(eval_strategy="steps", eval_steps=3)
+    reference = ReferenceTrainer(
+        model=bert(), args=arguments(tmp_path / "reference", **every), train_dataset=data,
+        eval_dataset=held_out,
+    )  # fmt: skip
+    reference.train()
+    model = bert()
+    with offloaded(model, tmp_path / "table.zarr", cache_rows=VOCAB // 20) as pipe:
+        trainer = embedpipe.hf.Trainer(
+            model=model, args=arguments(tmp_path / "out", **every), train_dataset=data,
+            eval_dataset=held_out, pipe=pipe,
+        )  # fmt: skip
+        trainer.train()
+        expected = eval_losses(reference)
+        assert len(expected) >= STEPS // 3 and eval_losses(trainer) == expected
+        pipe.flush()
+        assert torch.equal(pipe.table.to_tensor(), reference.model.get_input_embeddings().weight)
+        assert max_diff(dense_state(trainer.model), dense_state(reference.model)) == 0.0
