@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
 import embedpipe
+
+# One intra-op thread, here and in every interpreter a test starts: torch's float32 sqrt (in
+# Adagrad and Adam) goes through MKL's vector math one chunk a thread, and on this project's
+# AVX-512 machines MKL computed the second thread's chunk about 2e-5 off in 6 of 20 fresh
+# processes (torch 2.13.0+cpu, a 500 x 8 tensor): a bitwise comparison against nn.Embedding
+# then failed for torch's sake. docs/consistency.md, "A deterministic torch on CPU".
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -252,6 +252,32 @@ class NoisyStream(IterableDataset):
             yield {"input_ids": (torch.randint(0, V, (SEQ,)) + int(np.random.randint(3))) % V}
 
 
+class Sentences(Dataset):
+    """Sequences of lengths 3 to SEQ, cut shorter at random (numpy's global generator): a
+    collate_fn pads each batch to its longest, as people's do for text."""
+
+    def __init__(self, n: int = 96) -> None:
+        rng = np.random.default_rng(4)
+        self.tokens = [
+            np.minimum(rng.zipf(1.2, rng.integers(3, SEQ + 1)), V - 1).astype(np.int64)
+            for _ in range(n)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        ids = self.tokens[i][: max(2, len(self.tokens[i]) - np.random.randint(3))]
+        return {"input_ids": torch.from_numpy(ids)}
+
+
+def pad_to_longest(samples: list[dict]) -> dict:
+    ids = [s["input_ids"] for s in samples]
+    padded = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True, padding_value=0)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(i) for i in ids], batch_first=True)
+    return {"input_ids": padded, "attention_mask": mask}
+
+
 def hf_dataset():
     datasets = pytest.importorskip("datasets", reason="HF datasets is an optional extra")
     rng = np.random.default_rng(3)
@@ -276,6 +302,10 @@ CASES = {
     "custom batch sampler": lambda: (Count(), {"batch_sampler": PairBatches(200)}),
     "iterable": lambda: (NoisyStream(), {}),
     "HF datasets with set_transform": lambda: (hf_dataset(), {"shuffle": True}),
+    "padded to each batch's longest": lambda: (
+        Sentences(),
+        {"shuffle": True, "collate_fn": pad_to_longest},
+    ),
 }
 
 

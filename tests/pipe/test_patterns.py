@@ -532,3 +532,31 @@ def test_a_grad_scaler_unscales_the_table_and_skips_its_step_on_inf(tmp_path, ow
         assert pipe.stats()["steps"] == 5  # six batches, one skipped
         assert torch.equal(table(pipe), reference.emb.weight.detach())
         assert torch.equal(model.lin.weight, reference.lin.weight)
+
+
+@pytest.mark.parametrize("owner", ["thread", "process"])
+def test_clip_grad_value_clamps_the_tables_gradient_as_nn_embeddings(tmp_path, owner):
+    """clip_grad_value_ over model.parameters() clamps the table's pending gradient in place,
+    as it clamps nn.Embedding's .grad: the same table, bit for bit."""
+    data = samples(16)
+    reference = Toy()
+    dense, adagrad = reference_optimizer(reference)
+    for batch in torch.utils.data.DataLoader(data, batch_size=4):
+        (loss(reference, batch, False) * 50).backward()
+        torch.nn.utils.clip_grad_value_(reference.parameters(), 0.01)
+        dense.step()
+        adagrad.step()
+        dense.zero_grad()
+        adagrad.zero_grad()
+    model = Toy()
+    with offloaded(tmp_path, model, owner=owner) as pipe:
+        optimizer = torch.optim.AdamW(
+            [{"params": model.lin.parameters()}, {"params": [pipe.parameter], "lr": ADAGRAD["lr"]}],
+            lr=1e-2,
+        )
+        for batch in pipe.loader(data, batch_size=4, num_workers=2):
+            (loss(model, batch, True) * 50).backward()
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+            optimizer.step()
+            optimizer.zero_grad()
+        assert torch.equal(table(pipe), reference.emb.weight.detach())
