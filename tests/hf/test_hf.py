@@ -20,7 +20,9 @@ from embedpipe.hf import (
     untie,
 )
 
+from .. import frameworks
 from ..conftest import tiny_bert_config
+from ..frameworks import DENSE_LR
 
 transformers = pytest.importorskip("transformers")
 
@@ -229,3 +231,43 @@ def test_embedding_bytes(tmp_path):
         assert embedding_bytes(model) == embedding_bytes(table) == V * D * 4 * 4
     with pytest.raises(ValueError, match="optimizer must be one of"):
         embedding_bytes((V, D), "lion")
+
+
+def checkpointed_run(path, reentrant: bool) -> tuple[torch.Tensor, dict]:
+    """A tiny BERT with dropout and gradient checkpointing, 6 steps (2 workers); ``path``: its
+    embeddings offloaded there, else in the model with torch Adagrad. The table and the rest."""
+    model = frameworks.bert()
+    model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+    model.train()
+    pipe = None if path is None else frameworks.offloaded(model, path)
+    if pipe is None:
+        weight = model.get_input_embeddings().weight
+        dense = [p for p in model.parameters() if p is not weight]
+        optimizer = frameworks.with_adagrad_table(torch.optim.AdamW(dense, lr=DENSE_LR), weight)
+        loader = torch.utils.data.DataLoader(frameworks.samples(24), batch_size=4, num_workers=2)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=DENSE_LR)
+        loader = pipe.loader(frameworks.samples(24), batch_size=4, num_workers=2)
+    key = "input_ids" if pipe is None else "inputs_embeds"
+    for batch in loader:
+        out = model(
+            **{key: batch[key]}, attention_mask=batch["attention_mask"], labels=batch["labels"]
+        )
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    if pipe is None:
+        return model.get_input_embeddings().weight.detach(), frameworks.dense_state(model)
+    with pipe:
+        pipe.flush()
+        return pipe.table.to_tensor(), frameworks.dense_state(model)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_trains_as_with_nn_embedding(tmp_path, reentrant):
+    """model.gradient_checkpointing_enable(): the layers' forward runs again in backward, with
+    dropout's random state restored; the table and the dense weights as nn.Embedding's."""
+    table, dense = checkpointed_run(tmp_path / "t.zarr", reentrant)
+    expected, expected_dense = checkpointed_run(None, reentrant)
+    assert torch.equal(table, expected)
+    assert frameworks.max_diff(dense, expected_dense) == 0.0
