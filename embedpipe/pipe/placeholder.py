@@ -112,8 +112,13 @@ class OffloadedEmbedding(nn.Module):
         raise self._error()
 
     def __getattr__(self, name: str) -> Any:
-        if name == "weight":
-            raise self._error()
+        if name == "weight":  # resize_token_embeddings, a weight tied by hand, an init pass
+            raise EmbeddingsOffloadedError(
+                f"the word embeddings of this model live in {self.path}, not in the model: "
+                "its embedding module holds no .weight (call the model with "
+                "inputs_embeds=batch['inputs_embeds']; resize the vocabulary before "
+                "embedpipe.hf.offload; or put the rows back with embedpipe.hf.restore(model, pipe))"
+            )
         return super().__getattr__(name)
 
     def _apply(self, fn: Any, recurse: bool = True) -> OffloadedEmbedding:

@@ -126,6 +126,8 @@ def test_offloaded_model_refuses_input_ids_with_the_remedy(tmp_path):
     assert table.path in str(info.value) and isinstance(info.value, RuntimeError)
     with pytest.raises(EmbeddingsOffloadedError, match="live in"):
         model.get_input_embeddings().weight  # noqa: B018
+    with pytest.raises(EmbeddingsOffloadedError, match="resize the vocabulary before"):
+        model.resize_token_embeddings(V + 8)  # reads the weight: the message says what to do
     assert not hasattr(model.get_input_embeddings(), "weight")
     with pytest.raises(EmbeddingsOffloadedError, match="already offloaded"):
         offload(model, tmp_path / "again.zarr")
