@@ -560,3 +560,51 @@ def test_clip_grad_value_clamps_the_tables_gradient_as_nn_embeddings(tmp_path, o
             optimizer.step()
             optimizer.zero_grad()
         assert torch.equal(table(pipe), reference.emb.weight.detach())
+
+
+def other_samples(n: int) -> list[dict]:
+    rng = np.random.default_rng(5)
+    ids = np.minimum(rng.zipf(1.5, (n, 6)), V - 1).astype(np.int64)
+    return [
+        {"input_ids": torch.from_numpy(i), "labels": torch.tensor(k % 3 % 2)}
+        for k, i in enumerate(ids)
+    ]
+
+
+@pytest.mark.parametrize("owner", ["thread", "process"])
+def test_two_loaders_taking_turns_train_as_two_dataloaders(tmp_path, owner):
+    """Multi-task training: two shuffled loaders over two datasets, zipped, a step a batch
+    from each in turn (each loader's epoch foreseen by the pipe, or not): the batches and the
+    table as two plain DataLoaders feeding nn.Embedding."""
+    first, second = samples(24), other_samples(24)
+    options = dict(batch_size=4, shuffle=True, num_workers=2)
+    reference = Toy()
+    dense, adagrad = reference_optimizer(reference)
+    expected = []
+    torch.manual_seed(3)
+    plain = torch.utils.data.DataLoader
+    for pair in zip(plain(first, **options), plain(second, **options)):
+        for batch in pair:
+            expected.append(batch["input_ids"])
+            loss(reference, batch, False).backward()
+            dense.step()
+            adagrad.step()
+            dense.zero_grad()
+            adagrad.zero_grad()
+    model = Toy()
+    with offloaded(tmp_path, model, owner=owner) as pipe:
+        optimizer = torch.optim.AdamW(
+            [{"params": model.lin.parameters()}, {"params": [pipe.parameter], "lr": ADAGRAD["lr"]}],
+            lr=1e-2,
+        )
+        got = []
+        torch.manual_seed(3)
+        for pair in zip(pipe.loader(first, **options), pipe.loader(second, **options)):
+            for batch in pair:
+                got.append(batch["input_ids"].clone())
+                loss(model, batch, True).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        assert len(got) == len(expected) == 12
+        assert all(torch.equal(g, e) for g, e in zip(got, expected))
+        assert torch.equal(table(pipe), reference.emb.weight.detach())
