@@ -7,7 +7,8 @@
 # accelerator step on this machine's CPUs (the GIL released for the whole step, then held for
 # 80% of it). Checks run in the order below, the most wanted first; name some to run only those.
 # Each log goes to $OUT (default: ./gpu-checks); a check that fails does not stop the others,
-# and the script exits non-zero if any failed (2 at once without a CUDA device).
+# and the script exits non-zero if any failed (2 at once without a CUDA device or for a name
+# that is not a check).
 #
 #   bash scripts/gpu_checks.sh                   # all; embedpipe importable: pip install -e ".[hf]"
 #   bash scripts/gpu_checks.sh parity accel      # only these two
@@ -17,6 +18,14 @@ mkdir -p "$out"
 python=${PYTHON:-python3}
 failed=0
 checks=("$@")
+known=(parity bert_30k_5pct accel bert_250k_5pct bert_30k_5pct_thread accel_hold bert_30k_all
+       bert_30k_all_process bert_30k_all_bounded bert_250k_20pct)  # in the order they run
+for name in ${checks[@]+"${checks[@]}"}; do  # a misspelt name would skip its check silently
+    if [[ " ${known[*]} " != *" $name "* ]]; then
+        echo "gpu_checks.sh: no check named '$name'; the checks: ${known[*]}" >&2
+        exit 2
+    fi
+done
 
 run() {  # run NAME SECONDS COMMAND...: COMMAND's output to $out/NAME.txt and to stdout
     local name=$1 seconds=$2
@@ -48,13 +57,21 @@ all=(--vocab 30522 --cache-rows 30522 --steps 300)  # the whole table cached (89
 accel=(-m embedpipe bench --skip rows handoff throughput tokenized model memory cold
        --accel-repeats 7)  # the simulated accelerator step, on this machine's CPUs
 want parity && run parity 120 "$python" -m pytest tests/pipe/test_cuda.py -v -s -p no:cacheprovider
-want bert_30k_5pct && run bert_30k_5pct 150 "$python" "${bert[@]}" --vocab 30522 --steps 300 --baseline
-want accel && run accel 150 "$python" "${accel[@]}" --json "$out/accel.json"
-want bert_250k_5pct && run bert_250k_5pct 180 "$python" "${bert[@]}" --vocab 250002 --steps 200 --baseline
-want bert_30k_5pct_thread && run bert_30k_5pct_thread 100 "$python" "${bert[@]}" --vocab 30522 --steps 300 --owner thread
-want accel_hold && run accel_hold 150 "$python" "${accel[@]}" --accel-hold 0.8 --json "$out/accel_hold.json"
-want bert_30k_all && run bert_30k_all 150 "$python" "${bert[@]}" "${all[@]}" --baseline
-want bert_30k_all_process && run bert_30k_all_process 100 "$python" "${bert[@]}" "${all[@]}" --owner process
-want bert_30k_all_bounded && run bert_30k_all_bounded 100 "$python" "${bert[@]}" "${all[@]}" --max-staleness 1
-want bert_250k_20pct && run bert_250k_20pct 180 "$python" "${bert[@]}" --vocab 250002 --steps 200 --cache-rows 50000 --baseline
+want bert_30k_5pct && run bert_30k_5pct 150 \
+    "$python" "${bert[@]}" --vocab 30522 --steps 300 --owner process --baseline
+want accel && run accel 240 "$python" "${accel[@]}" --json "$out/accel.json"
+want bert_250k_5pct && run bert_250k_5pct 180 \
+    "$python" "${bert[@]}" --vocab 250002 --steps 200 --owner process --baseline
+want bert_30k_5pct_thread && run bert_30k_5pct_thread 100 \
+    "$python" "${bert[@]}" --vocab 30522 --steps 300 --owner thread
+want accel_hold && run accel_hold 240 \
+    "$python" "${accel[@]}" --accel-hold 0.8 --json "$out/accel_hold.json"
+want bert_30k_all && run bert_30k_all 150 \
+    "$python" "${bert[@]}" "${all[@]}" --owner thread --baseline
+want bert_30k_all_process && run bert_30k_all_process 100 \
+    "$python" "${bert[@]}" "${all[@]}" --owner process
+want bert_30k_all_bounded && run bert_30k_all_bounded 100 \
+    "$python" "${bert[@]}" "${all[@]}" --owner thread --max-staleness 1
+want bert_250k_20pct && run bert_250k_20pct 180 \
+    "$python" "${bert[@]}" --vocab 250002 --steps 200 --cache-rows 50000 --owner process --baseline
 exit "$failed"
