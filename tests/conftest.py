@@ -12,9 +12,11 @@ import embedpipe
 
 # One intra-op thread, here and in every interpreter a test starts: torch's float32 sqrt (in
 # Adagrad and Adam) goes through MKL's vector math one chunk a thread, and on this project's
-# AVX-512 machines MKL computed the second thread's chunk about 2e-5 off in 6 of 20 fresh
-# processes (torch 2.13.0+cpu, a 500 x 8 tensor): a bitwise comparison against nn.Embedding
-# then failed for torch's sake. docs/consistency.md, "A deterministic torch on CPU".
+# AVX-512 machines MKL computed the second thread's chunk wrong (about 2e-5 relative) in some
+# fresh processes (6 of 20 in one series, 3 of 80 in another; torch 2.13.0+cpu, a 500 x 8
+# tensor): a bitwise comparison against nn.Embedding then failed for torch's sake.
+# docs/consistency.md, "A deterministic torch on CPU". tests/owner/test_lookahead.py runs a
+# pool of 2 threads on purpose (a child forked while it runs).
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 

@@ -239,30 +239,30 @@ def checkpointed_run(path, reentrant: bool) -> tuple[torch.Tensor, dict]:
     """A tiny BERT with dropout and gradient checkpointing, 6 steps (2 workers); ``path``: its
     embeddings offloaded there, else in the model with torch Adagrad. The table and the rest."""
     model = frameworks.bert()
-    model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.25
+    (enable or model.gradient_checkpointing_enable)({"use_reentrant": reentrant})
     model.train()
-    pipe = None if path is None else frameworks.offloaded(model, path)
-    if pipe is None:
+    data = frameworks.samples(24)
+    if path is None:
         weight = model.get_input_embeddings().weight
         dense = [p for p in model.parameters() if p is not weight]
         optimizer = frameworks.with_adagrad_table(torch.optim.AdamW(dense, lr=DENSE_LR), weight)
-        loader = torch.utils.data.DataLoader(frameworks.samples(24), batch_size=4, num_workers=2)
-    else:
+        train(model, torch.utils.data.DataLoader(data, batch_size=4, num_workers=2), optimizer)
+        return weight.detach(), frameworks.dense_state(model)
+    with frameworks.offloaded(model, path) as pipe:
         optimizer = torch.optim.AdamW(model.parameters(), lr=DENSE_LR)
-        loader = pipe.loader(frameworks.samples(24), batch_size=4, num_workers=2)
-    key = "input_ids" if pipe is None else "inputs_embeds"
-    for batch in loader:
-        out = model(
-            **{key: batch[key]}, attention_mask=batch["attention_mask"], labels=batch["labels"]
-        )
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    if pipe is None:
-        return model.get_input_embeddings().weight.detach(), frameworks.dense_state(model)
-    with pipe:
+        train(model, pipe.loader(data, batch_size=4, num_workers=2), optimizer)
         pipe.flush()
         return pipe.table.to_tensor(), frameworks.dense_state(model)
+
+
+def train(model, loader, optimizer) -> None:
+    for batch in loader:
+        key = "inputs_embeds" if "inputs_embeds" in batch else "input_ids"
+        inputs = {key: batch[key], "attention_mask": batch["attention_mask"]}
+        model(**inputs, labels=batch["labels"]).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

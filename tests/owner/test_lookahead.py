@@ -541,3 +541,58 @@ def test_foresight_draws_a_lazy_sampler_from_the_parents_random_state(tmp_path):
             stream = pipe._owner.stream
             matched = list(stream.matched) if stream is not None else matched
         assert not pipe._owner.blind and sum(matched) == len(matched) > 0
+
+
+class SumsABigTensor(torch.utils.data.Dataset):
+    """A dataset doing tensor work in __getitem__ (an augmentation, a feature): a reduction
+    large enough for torch to split over its intra-op threads. Each call outside the training
+    process and its DataLoader workers (the foresight child's) adds a line to ``calls``."""
+
+    def __init__(self, tokens: np.ndarray, calls: str) -> None:
+        self.tokens, self.calls, self.parent = tokens, calls, os.getpid()
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        scale = torch.ones(1 << 17).sum()  # 131,072 elements: past torch's grain of 32,768
+        if os.getpid() != self.parent and torch.utils.data.get_worker_info() is None:
+            with open(self.calls, "a") as f:
+                f.write(f"{i}\n")
+        return {"input_ids": torch.from_numpy(self.tokens[i]) * (scale > 0)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("owner", ["thread", "process"])
+def test_a_training_process_with_a_running_thread_pool_forks_its_foresight_safely(tmp_path, owner):
+    """The suite runs torch on one thread (conftest.py); a program runs it on many, and a child
+    forked while torch's OpenMP pool runs hangs at its first parallel op unless it drops to one
+    thread first (foresee.py, as DataLoader workers do). Here the pool runs (2 threads) and the
+    foresight child calls a dataset that reduces a big tensor: it reads the epochs ahead (a
+    child that hangs leaves the loop without foresight, silently), and the table trains as
+    without foresight (allclose: with 2 threads torch's own arithmetic may vary)."""
+    tokens = np.minimum(np.random.default_rng(4).zipf(1.2, (64, 8)), 299).astype(np.int64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.ones(1 << 20).sum()  # the pool is started
+        tables = []
+        for policy in ("lookahead", "lfu"):
+            embedpipe.Table.create(tmp_path / f"{policy}.zarr", 300, 8, seed=0).close()
+            with embedpipe.EmbeddingPipe(
+                tmp_path / f"{policy}.zarr", cache_rows=30, policy=policy, owner=owner,
+                optimizer=embedpipe.optim.Adagrad(lr=0.1),
+            ) as pipe:  # fmt: skip
+                for _ in range(2):
+                    data = SumsABigTensor(tokens, str(tmp_path / f"{policy}.calls"))
+                    for batch in pipe.loader(data, batch_size=8, num_workers=2):
+                        (batch["inputs_embeds"] ** 2).sum().backward()
+                        pipe.step()
+                assert pipe.stats()["steps"] + pipe.stats()["writeback_queue"] == 16
+                pipe.flush()
+                tables.append(pipe.table.to_tensor())
+    finally:
+        torch.set_num_threads(before)
+    assert torch.allclose(tables[0], tables[1], rtol=1e-5, atol=1e-6)
+    foreseen = (tmp_path / "lookahead.calls").read_text().split()
+    assert len(foreseen) >= 64  # of 2 epochs of 64 samples (a hung child: 1 an epoch)

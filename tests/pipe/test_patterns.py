@@ -487,24 +487,28 @@ def test_a_resumed_optimizer_scales_the_table_from_the_rate_it_was_built_with(tm
     assert torch.equal(run("straight.zarr", None), run("resumed.zarr", 3))
 
 
+CLIP = 0.1  # below most steps' gradient norm (0.18-0.42 here): the clip scales them
+
+
 def scaled_steps(model, batches, optimizers, offloaded: bool, inf_at: int) -> list[float]:
     """A GradScaler loop (float32 on CPU: a power-of-two scale is exact), clipping after the
-    unscale; batch ``inf_at``'s loss is inf, so the scaler skips that step. The scales seen."""
+    unscale; batch ``inf_at``'s loss is inf, so the scaler skips that step. The scales seen,
+    and the gradient norms before the clip."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    scales = []
+    scales, norms = [], []
     for k, batch in enumerate(batches):
         out = loss(model, batch, offloaded) * (float("inf") if k == inf_at else 1.0)
         scaler.scale(out).backward()
         for optimizer in optimizers:
             scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         for optimizer in optimizers:
             scaler.step(optimizer)
         scaler.update()
         scales.append(scaler.get_scale())
         for optimizer in optimizers:
             optimizer.zero_grad()
-    return scales
+    return scales, norms
 
 
 @pytest.mark.parametrize("owner", ["thread", "process"])
@@ -527,7 +531,10 @@ def test_a_grad_scaler_unscales_the_table_and_skips_its_step_on_inf(tmp_path, ow
         got = scaled_steps(
             model, pipe.loader(data, batch_size=4, num_workers=2), [optimizer], True, inf_at=2
         )
-        assert got == expected and got[2] < got[1]  # the scaler saw the inf in both runs
+        (scales, norms), (expected_scales, expected_norms) = got, expected
+        assert scales == expected_scales and scales[2] < scales[1]  # the inf seen in both runs
+        assert np.array_equal(norms, expected_norms, equal_nan=True)  # the skipped step's: nan
+        assert sum(n > CLIP for n in norms) >= 3  # the clip scaled those steps, in both runs
         pipe.flush()
         assert pipe.stats()["steps"] == 5  # six batches, one skipped
         assert torch.equal(table(pipe), reference.emb.weight.detach())
@@ -560,6 +567,7 @@ def test_clip_grad_value_clamps_the_tables_gradient_as_nn_embeddings(tmp_path, o
             optimizer.step()
             optimizer.zero_grad()
         assert torch.equal(table(pipe), reference.emb.weight.detach())
+        assert torch.equal(model.lin.weight, reference.lin.weight)
 
 
 def other_samples(n: int) -> list[dict]:
