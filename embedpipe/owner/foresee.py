@@ -285,6 +285,17 @@ def _serve(
         _write_all(out, _HEADER.pack(_END, 0))
 
 
+def silent(batches: int) -> str:
+    """Why a stream stops whose child sent no batch while the loop claimed ``batches``: a child
+    stuck in the dataset would keep the policy waiting for foresight without a word (seen: a
+    torch thread pool forked while it ran hung the child at its first parallel op)."""
+    return (
+        f"the process that reads the batches ahead sent none while the loop took {batches} "
+        "(is the dataset blocked in a process forked from this one? a lock, a thread pool or a "
+        "connection may not survive fork())"
+    )
+
+
 def _why(error: BaseException | None) -> str:
     """Why foresight stopped, for the pipe's warning: ``error`` raised in the child, or None for
     a child that ended without a word."""

@@ -10,14 +10,14 @@ generator is drawn that would not be without lookahead. The stream hands each fo
 unique ids to the policy's window (``policy.py``, NOTE [ The lookahead window ]), at most
 ``window`` batches ahead of the last batch dispatched.
 
-Foresight may be wrong (a dataset or sampler that draws at random): a claimed batch is matched
-to the batches in flight by its ids, and each claim releases at least one of them, so wrong
-foresight pins no row for longer than its batch is in flight and grows no list. With ``auto``,
-when most of the last :data:`JUDGED_BATCHES` claims matched nothing foreseen, and with any policy
-when the child fails, the pipe stops looking ahead (LFU from then on) and says why, once.
+Foresight may be wrong (a dataset or sampler that draws at random): a claimed batch is matched to
+the batches in flight by its ids, and each claim releases at least one of them, so wrong foresight
+pins no row longer than its batch is in flight and grows no list. The pipe stops looking ahead (LFU
+from then on), saying why once: with ``auto`` when most of the last :data:`JUDGED_BATCHES` claims
+matched nothing foreseen, with any policy when the child fails or sends nothing in twice as many.
 
-One stream owns the window at a time: the first loader iterated. Another iterated while it runs
-(an evaluation loop mid-epoch) has no lookahead; its batches go through the same cache, unseen.
+One stream owns the window at a time, the first loader iterated's; another iterated meanwhile (an
+evaluation loop mid-epoch) has no lookahead, its batches going through the same cache, unseen.
 
 NOTE [ Misses read by the owner ]
 With workers, ``prefetch_factor x num_workers`` batches are looked up before the first of them is
@@ -57,7 +57,7 @@ from ..cache.sharedrows import SharedRows
 from ..cache.shm import SharedBlock
 from ..store.layout import WEIGHT
 from ..store.table import Table
-from .foresee import IdsReader, can_fork
+from .foresee import IdsReader, can_fork, silent
 
 
 class Owner(Protocol):
@@ -269,6 +269,8 @@ class Stream:
             number = found if found is not None else self.claimed + 1
             if self.judged_from is None:  # the epoch's first prefetch races the child: not judged
                 self.judged_from = self.dispatched + 1
+            if self.first_received < 0 and number - self.judged_from >= 2 * JUDGED_BATCHES:
+                self.failure = self.failure or silent(2 * JUDGED_BATCHES)  # stuck: stop it
             if self.first_foreseen is not None:  # nor a batch dispatched before foresight began
                 if number >= max(self.first_foreseen, self.judged_from):
                     self.matched.append(found is not None)
@@ -299,9 +301,8 @@ class Stream:
         self._ready.append((ready, began, waited))
         if len(self._ready) < self._ready.maxlen:
             return
-        elapsed = began - self._ready[0][1]
-        late = sum(1 for r, _, _ in self._ready if not r)
-        if late > len(self._ready) / 2 or sum(w for _, _, w in self._ready) > elapsed / 3:
+        late, waited_all = sum(not r for r, _, _ in self._ready), sum(w for _, _, w in self._ready)
+        if late > len(self._ready) / 2 or waited_all > (began - self._ready[0][1]) / 3:
             self._hand_back()
 
     def _hand_back(self, cold: bool = False) -> None:
@@ -337,9 +338,8 @@ class Stream:
         return self.stopped or (exhausted and not self.in_flight_ids)
 
     def stop(self) -> None:
-        """End the child and the threads, and forget the window (any thread but the stream's).
-        Once: a second call (a loader's own stop after the owner ended its stream) must not
-        clear the window another stream has taken since."""
+        """End the child and the threads, and forget the window (any thread but the stream's),
+        once: a loader's own stop after the owner's must not clear another stream's window."""
         if self.stopped:
             return
         if self.defer is not None:

@@ -596,3 +596,39 @@ def test_a_training_process_with_a_running_thread_pool_forks_its_foresight_safel
     assert torch.allclose(tables[0], tables[1], rtol=1e-5, atol=1e-6)
     foreseen = (tmp_path / "lookahead.calls").read_text().split()
     assert len(foreseen) >= 64  # of 2 epochs of 64 samples (a hung child: 1 an epoch)
+
+
+class HangsWhenForeseen(torch.utils.data.Dataset):
+    """Blocks for good when called in the foresight child (as a lock held at the fork, or a
+    thread pool forked while it ran, would); answers in the training process and its workers."""
+
+    def __init__(self, tokens: np.ndarray) -> None:
+        self.tokens, self.parent = tokens, os.getpid()
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        if os.getpid() != self.parent and torch.utils.data.get_worker_info() is None:
+            time.sleep(3600)
+        return {"input_ids": torch.from_numpy(self.tokens[i])}
+
+
+@pytest.mark.parametrize("owner", ["thread", "process"])
+def test_a_foresight_child_stuck_in_the_dataset_is_ended_and_named(tmp_path, owner):
+    """A child that sends nothing while the loop takes 32 batches is stuck: the pipe ends it,
+    warns once why, runs as LFU, and trains exactly (the lookahead policy, which never gives up
+    on wrong foresight, included)."""
+    tokens = np.minimum(np.random.default_rng(5).zipf(1.2, (80 * 8, 8)), 299).astype(np.int64)
+    embedpipe.Table.create(tmp_path / "t.zarr", 300, 8, seed=0).close()
+    with embedpipe.EmbeddingPipe(
+        tmp_path / "t.zarr", cache_rows=30, policy="lookahead", owner=owner,
+        optimizer=embedpipe.optim.SGD(lr=0.1),
+    ) as pipe, warnings.catch_warnings(record=True) as caught:  # fmt: skip
+        warnings.simplefilter("always")
+        for batch in pipe.loader(HangsWhenForeseen(tokens), batch_size=8, num_workers=2):
+            (batch["inputs_embeds"] ** 2).sum().backward()
+            pipe.step()
+        assert pipe.stats()["batches"] == 80
+    said = [str(w.message) for w in caught if "stopped looking ahead" in str(w.message)]
+    assert len(said) == 1 and "sent none while the loop took 32" in said[0], said
