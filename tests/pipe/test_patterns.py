@@ -61,6 +61,21 @@ def reference_optimizer(model):
     return dense, adagrad
 
 
+def step_both(dense, adagrad) -> None:
+    """The reference's step: its dense optimizer and torch Adagrad on the embedding."""
+    for optimizer in (dense, adagrad):
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def one_optimizer(model, pipe) -> torch.optim.Optimizer:
+    """AdamW on the dense weights, with the table's parameter in a group at Adagrad's rate."""
+    return torch.optim.AdamW(
+        [{"params": model.lin.parameters()}, {"params": [pipe.parameter], "lr": ADAGRAD["lr"]}],
+        lr=1e-2,
+    )
+
+
 def offloaded(tmp_path, model, name="t.zarr", **options):
     table = embedpipe.hf.offload(model, tmp_path / name, chunk_rows=16)
     return embedpipe.EmbeddingPipe(
@@ -248,10 +263,7 @@ def test_a_hand_written_warmup_in_a_shared_group_scales_the_table_as_built(tmp_p
         warmup(dense, k)
         adagrad.param_groups[0]["lr"] = ADAGRAD["lr"] * dense.param_groups[0]["lr"] / 0.1
         loss(reference, batch, False).backward()
-        dense.step()
-        adagrad.step()
-        dense.zero_grad()
-        adagrad.zero_grad()
+        step_both(dense, adagrad)
     model = Toy()
     with offloaded(tmp_path, model) as pipe:
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)  # one group, shared
@@ -285,16 +297,10 @@ def test_two_forward_passes_over_one_batch_add_up_as_with_nn_embedding(tmp_path)
     for batch in torch.utils.data.DataLoader(data, batch_size=4):
         (loss(reference, batch, False) + loss(reference, batch, False)).backward()
         loss(reference, batch, False).backward()  # a second graph over the same batch
-        dense.step()
-        adagrad.step()
-        dense.zero_grad()
-        adagrad.zero_grad()
+        step_both(dense, adagrad)
     model = Toy()
     with offloaded(tmp_path, model) as pipe:
-        optimizer = torch.optim.AdamW(
-            [{"params": model.lin.parameters()}, {"params": [pipe.parameter], "lr": ADAGRAD["lr"]}],
-            lr=1e-2,
-        )
+        optimizer = one_optimizer(model, pipe)
         for batch in pipe.loader(data, batch_size=4):
             (loss(model, batch, True) + loss(model, batch, True)).backward()
             loss(model, batch, True).backward()
@@ -524,10 +530,7 @@ def test_a_grad_scaler_unscales_the_table_and_skips_its_step_on_inf(tmp_path, ow
     )  # fmt: skip
     model = Toy()
     with offloaded(tmp_path, model, owner=owner) as pipe:
-        optimizer = torch.optim.AdamW(
-            [{"params": model.lin.parameters()}, {"params": [pipe.parameter], "lr": ADAGRAD["lr"]}],
-            lr=1e-2,
-        )
+        optimizer = one_optimizer(model, pipe)
         got = scaled_steps(
             model, pipe.loader(data, batch_size=4, num_workers=2), [optimizer], True, inf_at=2
         )
@@ -551,16 +554,10 @@ def test_clip_grad_value_clamps_the_tables_gradient_as_nn_embeddings(tmp_path, o
     for batch in torch.utils.data.DataLoader(data, batch_size=4):
         (loss(reference, batch, False) * 50).backward()
         torch.nn.utils.clip_grad_value_(reference.parameters(), 0.01)
-        dense.step()
-        adagrad.step()
-        dense.zero_grad()
-        adagrad.zero_grad()
+        step_both(dense, adagrad)
     model = Toy()
     with offloaded(tmp_path, model, owner=owner) as pipe:
-        optimizer = torch.optim.AdamW(
-            [{"params": model.lin.parameters()}, {"params": [pipe.parameter], "lr": ADAGRAD["lr"]}],
-            lr=1e-2,
-        )
+        optimizer = one_optimizer(model, pipe)
         for batch in pipe.loader(data, batch_size=4, num_workers=2):
             (loss(model, batch, True) * 50).backward()
             torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
@@ -595,16 +592,10 @@ def test_two_loaders_taking_turns_train_as_two_dataloaders(tmp_path, owner):
         for batch in pair:
             expected.append(batch["input_ids"])
             loss(reference, batch, False).backward()
-            dense.step()
-            adagrad.step()
-            dense.zero_grad()
-            adagrad.zero_grad()
+            step_both(dense, adagrad)
     model = Toy()
     with offloaded(tmp_path, model, owner=owner) as pipe:
-        optimizer = torch.optim.AdamW(
-            [{"params": model.lin.parameters()}, {"params": [pipe.parameter], "lr": ADAGRAD["lr"]}],
-            lr=1e-2,
-        )
+        optimizer = one_optimizer(model, pipe)
         got = []
         torch.manual_seed(3)
         for pair in zip(pipe.loader(first, **options), pipe.loader(second, **options)):
