@@ -70,8 +70,8 @@ def offloaded_inputs(batch):
     return {"inputs_embeds": batch["inputs_embeds"], "attention_mask": batch["attention_mask"]}
 
 
-def reference_run(data, batch_size=4, **loop):
-    model = bert()
+def reference_run(data, batch_size=4, model=None, **loop):
+    model = bert() if model is None else model
     optimizer = with_adagrad_table(
         torch.optim.AdamW(dense_parameters(model), lr=DENSE_LR, eps=1e-6),
         model.get_input_embeddings().weight,
@@ -96,19 +96,46 @@ def reference(data):
 def test_a_plain_loop_with_its_own_table_group_is_exact(tmp_path, data, reference, ahead, workers):
     model = bert()
     with offloaded(model, tmp_path / "t.zarr") as pipe:
-        dense = dense_parameters(model)
-        optimizer = torch.optim.AdamW(
-            [{"params": dense}, {"params": [pipe.parameter], "lr": TABLE_LR}],
-            lr=DENSE_LR,
-            eps=1e-6,
-        )
         loader = pipe.loader(data, batch_size=4, num_workers=workers)
         batches = batches_one_ahead(loader) if ahead else loader
-        plain_loop(model, optimizer, batches, inputs=offloaded_inputs)
+        plain_loop(model, table_group_optimizer(model, pipe), batches, inputs=offloaded_inputs)
+    same_as_reference(tmp_path, model, reference)
+
+
+def table_group_optimizer(model, pipe) -> torch.optim.Optimizer:
+    """AdamW on the dense weights, and the table's parameter in a group of its own."""
+    return torch.optim.AdamW(
+        [{"params": dense_parameters(model)}, {"params": [pipe.parameter], "lr": TABLE_LR}],
+        lr=DENSE_LR,
+        eps=1e-6,
+    )
+
+
+def same_as_reference(tmp_path, model, reference) -> None:
+    """The table at ``tmp_path / "t.zarr"`` and ``model``'s dense weights, bit for bit."""
     table = embedpipe.Table.open(tmp_path / "t.zarr").to_tensor()
     assert torch.equal(table, reference[0])
     assert dense_state(model).keys() == dense_state(reference[1]).keys()
     assert all(torch.equal(v, dense_state(reference[1])[k]) for k, v in dense_state(model).items())
+
+
+def checkpointed(reentrant: bool):
+    """A tiny BERT whose layers run their forward again in backward (activation checkpointing,
+    dropout's random state restored)."""
+    model = bert()
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.25
+    (enable or model.gradient_checkpointing_enable)({"use_reentrant": reentrant})
+    return model
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_trains_as_with_nn_embedding(tmp_path, data, reentrant):
+    reference = reference_run(data, model=checkpointed(reentrant))
+    model = checkpointed(reentrant)
+    with offloaded(model, tmp_path / "t.zarr") as pipe:
+        loader = pipe.loader(data, batch_size=4, num_workers=2)
+        plain_loop(model, table_group_optimizer(model, pipe), loader, inputs=offloaded_inputs)
+    same_as_reference(tmp_path, model, reference)
 
 
 def test_adamw_over_model_parameters_trains_the_table_at_its_own_rate(tmp_path, data):
@@ -133,11 +160,7 @@ def test_clipping_without_the_table_would_differ(tmp_path, data, reference):
     """The test above can fail: clipping only the dense weights trains another table."""
     model = bert()
     with offloaded(model, tmp_path / "t.zarr") as pipe:
-        optimizer = torch.optim.AdamW(
-            [{"params": dense_parameters(model)}, {"params": [pipe.parameter], "lr": TABLE_LR}],
-            lr=DENSE_LR,
-            eps=1e-6,
-        )
+        optimizer = table_group_optimizer(model, pipe)
         scheduler = warmup(optimizer)
         for i, batch in enumerate(pipe.loader(data, batch_size=4)):
             (model(**offloaded_inputs(batch), labels=batch["labels"]).loss / 2).backward()
@@ -235,11 +258,7 @@ def test_accelerate_prepares_the_loader_and_trains_the_same_table(tmp_path):
     for name, resume in (("whole", None), ("resumed", 4)):
         model = bert(dropout=0.0)
         with offloaded(model, tmp_path / f"{name}.zarr") as pipe:
-            optimizer = torch.optim.AdamW(
-                [{"params": dense_parameters(model)}, {"params": [pipe.parameter], "lr": TABLE_LR}],
-                lr=DENSE_LR,
-                eps=1e-6,
-            )
+            optimizer = table_group_optimizer(model, pipe)
             loader = pipe.loader(data, batch_size=4, num_workers=2)
             state = (str(tmp_path / "whole.zarr") + ".state", resume) if resume else None
             model = accelerate_run(

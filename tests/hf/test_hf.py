@@ -20,9 +20,7 @@ from embedpipe.hf import (
     untie,
 )
 
-from .. import frameworks
 from ..conftest import tiny_bert_config
-from ..frameworks import DENSE_LR
 
 transformers = pytest.importorskip("transformers")
 
@@ -233,43 +231,3 @@ def test_embedding_bytes(tmp_path):
         assert embedding_bytes(model) == embedding_bytes(table) == V * D * 4 * 4
     with pytest.raises(ValueError, match="optimizer must be one of"):
         embedding_bytes((V, D), "lion")
-
-
-def checkpointed_run(path, reentrant: bool) -> tuple[torch.Tensor, dict]:
-    """A tiny BERT with dropout and gradient checkpointing, 6 steps (2 workers); ``path``: its
-    embeddings offloaded there, else in the model with torch Adagrad. The table and the rest."""
-    model = frameworks.bert()
-    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.25
-    (enable or model.gradient_checkpointing_enable)({"use_reentrant": reentrant})
-    model.train()
-    data = frameworks.samples(24)
-    if path is None:
-        weight = model.get_input_embeddings().weight
-        dense = [p for p in model.parameters() if p is not weight]
-        optimizer = frameworks.with_adagrad_table(torch.optim.AdamW(dense, lr=DENSE_LR), weight)
-        train(model, torch.utils.data.DataLoader(data, batch_size=4, num_workers=2), optimizer)
-        return weight.detach(), frameworks.dense_state(model)
-    with frameworks.offloaded(model, path) as pipe:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=DENSE_LR)
-        train(model, pipe.loader(data, batch_size=4, num_workers=2), optimizer)
-        pipe.flush()
-        return pipe.table.to_tensor(), frameworks.dense_state(model)
-
-
-def train(model, loader, optimizer) -> None:
-    for batch in loader:
-        key = "inputs_embeds" if "inputs_embeds" in batch else "input_ids"
-        inputs = {key: batch[key], "attention_mask": batch["attention_mask"]}
-        model(**inputs, labels=batch["labels"]).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-
-@pytest.mark.parametrize("reentrant", [True, False])
-def test_gradient_checkpointing_trains_as_with_nn_embedding(tmp_path, reentrant):
-    """model.gradient_checkpointing_enable(): the layers' forward runs again in backward, with
-    dropout's random state restored; the table and the dense weights as nn.Embedding's."""
-    table, dense = checkpointed_run(tmp_path / "t.zarr", reentrant)
-    expected, expected_dense = checkpointed_run(None, reentrant)
-    assert torch.equal(table, expected)
-    assert frameworks.max_diff(dense, expected_dense) == 0.0

@@ -543,6 +543,12 @@ def test_foresight_draws_a_lazy_sampler_from_the_parents_random_state(tmp_path):
         assert not pipe._owner.blind and sum(matched) == len(matched) > 0
 
 
+def in_foresight_child(parent: int) -> bool:
+    """Whether this call runs in the lookahead's foresight child: forked from ``parent`` (the
+    training process), and no DataLoader worker."""
+    return os.getpid() != parent and torch.utils.data.get_worker_info() is None
+
+
 class SumsABigTensor(torch.utils.data.Dataset):
     """A dataset doing tensor work in __getitem__ (an augmentation, a feature): a reduction
     large enough for torch to split over its intra-op threads. Each call outside the training
@@ -556,7 +562,7 @@ class SumsABigTensor(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         scale = torch.ones(1 << 17).sum()  # 131,072 elements: past torch's grain of 32,768
-        if os.getpid() != self.parent and torch.utils.data.get_worker_info() is None:
+        if in_foresight_child(self.parent):
             with open(self.calls, "a") as f:
                 f.write(f"{i}\n")
         return {"input_ids": torch.from_numpy(self.tokens[i]) * (scale > 0)}
@@ -609,7 +615,7 @@ class HangsWhenForeseen(torch.utils.data.Dataset):
         return len(self.tokens)
 
     def __getitem__(self, i: int) -> dict:
-        if os.getpid() != self.parent and torch.utils.data.get_worker_info() is None:
+        if in_foresight_child(self.parent):
             time.sleep(3600)
         return {"input_ids": torch.from_numpy(self.tokens[i])}
 
@@ -618,17 +624,22 @@ class HangsWhenForeseen(torch.utils.data.Dataset):
 def test_a_foresight_child_stuck_in_the_dataset_is_ended_and_named(tmp_path, owner):
     """A child that sends nothing while the loop takes 32 batches is stuck: the pipe ends it,
     warns once why, runs as LFU, and trains exactly (the lookahead policy, which never gives up
-    on wrong foresight, included)."""
+    on wrong foresight, included): the table as a pipe with ``lfu`` from the start trains it."""
     tokens = np.minimum(np.random.default_rng(5).zipf(1.2, (80 * 8, 8)), 299).astype(np.int64)
-    embedpipe.Table.create(tmp_path / "t.zarr", 300, 8, seed=0).close()
-    with embedpipe.EmbeddingPipe(
-        tmp_path / "t.zarr", cache_rows=30, policy="lookahead", owner=owner,
-        optimizer=embedpipe.optim.SGD(lr=0.1),
-    ) as pipe, warnings.catch_warnings(record=True) as caught:  # fmt: skip
-        warnings.simplefilter("always")
-        for batch in pipe.loader(HangsWhenForeseen(tokens), batch_size=8, num_workers=2):
-            (batch["inputs_embeds"] ** 2).sum().backward()
-            pipe.step()
-        assert pipe.stats()["batches"] == 80
-    said = [str(w.message) for w in caught if "stopped looking ahead" in str(w.message)]
+    tables, said = [], []
+    for policy in ("lookahead", "lfu"):
+        embedpipe.Table.create(tmp_path / f"{policy}.zarr", 300, 8, seed=0).close()
+        with embedpipe.EmbeddingPipe(
+            tmp_path / f"{policy}.zarr", cache_rows=30, policy=policy, owner=owner,
+            optimizer=embedpipe.optim.SGD(lr=0.1),
+        ) as pipe, warnings.catch_warnings(record=True) as caught:  # fmt: skip
+            warnings.simplefilter("always")
+            for batch in pipe.loader(HangsWhenForeseen(tokens), batch_size=8, num_workers=2):
+                (batch["inputs_embeds"] ** 2).sum().backward()
+                pipe.step()
+            assert pipe.stats()["batches"] == 80
+            pipe.flush()
+            tables.append(pipe.table.to_tensor())
+        said += [str(w.message) for w in caught if "stopped looking ahead" in str(w.message)]
     assert len(said) == 1 and "sent none while the loop took 32" in said[0], said
+    assert torch.equal(tables[0], tables[1])

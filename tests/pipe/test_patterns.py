@@ -496,7 +496,9 @@ def test_a_resumed_optimizer_scales_the_table_from_the_rate_it_was_built_with(tm
 CLIP = 0.1  # below most steps' gradient norm (0.18-0.42 here): the clip scales them
 
 
-def scaled_steps(model, batches, optimizers, offloaded: bool, inf_at: int) -> list[float]:
+def scaled_steps(
+    model, batches, optimizers, offloaded: bool, inf_at: int
+) -> tuple[list[float], list[float]]:
     """A GradScaler loop (float32 on CPU: a power-of-two scale is exact), clipping after the
     unscale; batch ``inf_at``'s loss is inf, so the scaler skips that step. The scales seen,
     and the gradient norms before the clip."""
