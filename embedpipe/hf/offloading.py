@@ -92,8 +92,10 @@ def offload(
         path,
     )
     placeholder.path = table.path
-    # the gradient parameter a pipe on this table will use: an optimizer built now holds it
-    placeholder.attach(nn.Parameter(torch.empty(0, weight.shape[1], device=weight.device)))
+    # the gradient parameter a pipe on this table will use: an optimizer built now holds it; a
+    # weight frozen before offload (requires_grad False) leaves the table frozen, as it was
+    empty = torch.empty(0, weight.shape[1], device=weight.device)
+    placeholder.attach(nn.Parameter(empty, requires_grad=weight.requires_grad))
     model.set_input_embeddings(placeholder)
     setattr(weight, OFFLOADED, table.path)  # an optimizer built before holds it: raises at step
     ignore_in_ddp(model, placeholder)

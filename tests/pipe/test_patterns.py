@@ -87,17 +87,52 @@ def table(pipe) -> torch.Tensor:
     return pipe.table.to_tensor()
 
 
-def test_frozen_word_embeddings_stay_frozen(tmp_path):
+def freeze_the_weight(model) -> None:
+    model.emb.weight.requires_grad = False
+
+
+def freeze_the_module(model) -> None:
+    for parameter in model.get_input_embeddings().parameters():
+        parameter.requires_grad = False
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        (freeze_the_weight, None),  # frozen first (fine-tuning), offloaded later: stays frozen
+        (freeze_the_module, None),
+        (None, freeze_the_module),  # after offload, before the pipe: the parameter offload made
+        (None, "pipe"),  # after the pipe, as one freezes an nn.Embedding
+    ],
+    ids=["weight-then-offload", "module-then-offload", "offload-then-module", "pipe-then-module"],
+)
+def test_frozen_word_embeddings_stay_frozen_and_the_rest_trains_as_with_nn_embedding(
+    tmp_path, before, after
+):
+    reference = Toy()
+    reference.emb.requires_grad_(False)
+    dense = torch.optim.AdamW(reference.lin.parameters(), lr=1e-2)
+    for batch in torch.utils.data.DataLoader(samples(8), batch_size=4):
+        loss(reference, batch, False).backward()
+        dense.step()
+        dense.zero_grad()
+
     model = Toy()
-    before = model.emb.weight.detach().clone()
-    with offloaded(tmp_path, model) as pipe:
-        model.get_input_embeddings().requires_grad_(False)  # as one freezes an nn.Embedding
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before and before(model)
+    table_ = embedpipe.hf.offload(model, tmp_path / "t.zarr", chunk_rows=16)
+    after not in (None, "pipe") and after(model)
+    with embedpipe.EmbeddingPipe(
+        table_, cache_rows=20, optimizer=embedpipe.optim.Adagrad(**ADAGRAD)
+    ) as pipe:
+        if after == "pipe":
+            model.get_input_embeddings().requires_grad_(False)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         for batch in pipe.loader(samples(8), batch_size=4):
             loss(model, batch, True).backward()
             optimizer.step()
             optimizer.zero_grad()
-        assert torch.equal(table(pipe), before)
+        assert torch.equal(table(pipe), reference.emb.weight)
+    assert torch.equal(model.lin.weight, reference.lin.weight)
 
 
 def test_a_batch_held_across_load_checkpoint_gets_the_loaded_rows(tmp_path):
@@ -609,3 +644,4 @@ def test_two_loaders_taking_turns_train_as_two_dataloaders(tmp_path, owner):
         assert len(got) == len(expected) == 12
         assert all(torch.equal(g, e) for g, e in zip(got, expected))
         assert torch.equal(table(pipe), reference.emb.weight.detach())
+
