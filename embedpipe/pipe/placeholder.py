@@ -50,7 +50,8 @@ class OffloadedEmbedding(nn.Module):
     ``model.to(...)``). :func:`offload` puts one in a model; a model rebuilt in a new process
     (to resume training on a table that exists) takes one by hand:
     ``model.set_input_embeddings(OffloadedEmbedding(V, D, path, padding_idx=...))``, made before
-    the pipe, which then attaches its parameter to it. Calling it, or reading ``.weight``, raises :class:`EmbeddingsOffloadedError`.
+    the pipe, which then attaches its parameter to it. Calling it, reading ``.weight`` or
+    ``copy.deepcopy`` (an EMA, a best-model copy) raises :class:`EmbeddingsOffloadedError`.
 
     Its one parameter, ``rows``, is a training pipe's :attr:`~embedpipe.EmbeddingPipe.parameter`:
     the table's pending gradient, in the model where the embedding weight was, so clipping
@@ -117,9 +118,23 @@ class OffloadedEmbedding(nn.Module):
                 f"the word embeddings of this model live in {self.path}, not in the model: "
                 "its embedding module holds no .weight (call the model with "
                 "inputs_embeds=batch['inputs_embeds']; resize the vocabulary before "
-                "embedpipe.hf.offload; or put the rows back with embedpipe.hf.restore(model, pipe))"
+                "embedpipe.hf.offload; freeze the table with "
+                "model.get_input_embeddings().requires_grad_(False); or put the rows back with "
+                "embedpipe.hf.restore(model, pipe))"
             )
         return super().__getattr__(name)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OffloadedEmbedding:
+        # A copy would read the same live table, not a snapshot of it: an EMA (AveragedModel)
+        # would never average the embeddings, a best-model copy or a frozen teacher would see
+        # the rows as they go on training. Refused, not copied: it cannot be made exact.
+        raise EmbeddingsOffloadedError(
+            f"cannot copy a model whose word embeddings live in {self.path}: the copy would "
+            "read the same table as it trains, not a snapshot of it (an EMA or AveragedModel "
+            "would not average the embeddings; a best-model copy or a frozen teacher would "
+            "see the rows change). Copy the model before embedpipe.hf.offload (the copy keeps "
+            "its own nn.Embedding), or snapshot the table with pipe.checkpoint()"
+        )
 
     def _apply(self, fn: Any, recurse: bool = True) -> OffloadedEmbedding:
         # model.to(device) / .half() reach us here: follow them on an empty tensor (no memory)

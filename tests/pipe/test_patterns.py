@@ -645,3 +645,29 @@ def test_two_loaders_taking_turns_train_as_two_dataloaders(tmp_path, owner):
         assert all(torch.equal(g, e) for g, e in zip(got, expected))
         assert torch.equal(table(pipe), reference.emb.weight.detach())
 
+
+def test_a_copy_of_an_offloaded_model_is_refused_and_one_made_before_offload_trains_apart(
+    tmp_path,
+):
+    """An EMA (AveragedModel), a best-model snapshot or a frozen teacher deep-copies the model:
+    a copy of the offloaded one would read the live table, never a snapshot, so it raises."""
+    import copy
+
+    from torch.optim.swa_utils import AveragedModel
+
+    model = Toy()
+    teacher = copy.deepcopy(model)  # before offload: a copy with its own nn.Embedding
+    with offloaded(tmp_path, model) as pipe:
+        for make_copy in (copy.deepcopy, AveragedModel):
+            with pytest.raises(embedpipe.errors.EmbeddingsOffloadedError) as info:
+                make_copy(model)
+            message = str(info.value)
+            assert str(tmp_path / "t.zarr") in message and "before embedpipe.hf.offload" in message
+        optimizer = one_optimizer(model, pipe)
+        for batch in pipe.loader(samples(16), batch_size=4):
+            loss(model, batch, offloaded=True).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert not torch.equal(table(pipe), teacher.emb.weight.detach())
+    assert torch.equal(teacher.emb.weight, Toy().emb.weight)  # the teacher's rows never moved
+    assert isinstance(model.get_input_embeddings(), embedpipe.hf.OffloadedEmbedding)
