@@ -296,6 +296,15 @@ def hf_dataset():
     return ds
 
 
+def masked_lm_collator():
+    """Hugging Face's DataCollatorForLanguageModeling: it pads and masks each batch at random
+    (torch's global generator, in whichever process collates), as masked-LM pretraining does."""
+    transformers = pytest.importorskip("transformers", reason="an optional extra")
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(V - 5)]
+    tokenizer = transformers.BertTokenizer(vocab={w: i for i, w in enumerate(words)})
+    return transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3)
+
+
 CASES = {
     "sampler fed back": lambda: (Count(), {"sampler": SkipDone(200)}),
     "set_epoch": lambda: (Count(), {"sampler": EpochShuffle(200)}),
@@ -305,6 +314,10 @@ CASES = {
     "padded to each batch's longest": lambda: (
         Sentences(),
         {"shuffle": True, "collate_fn": pad_to_longest},
+    ),
+    "HF masked-LM collator": lambda: (
+        Sentences(),
+        {"shuffle": True, "collate_fn": masked_lm_collator()},
     ),
 }
 
