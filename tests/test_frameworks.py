@@ -9,6 +9,7 @@ when the model reads them, not when ``next()`` returned the batch.
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from .frameworks import (
     samples,
     with_adagrad_table,
 )
+from .helpers import slow
 
 pytest.importorskip("transformers")
 
@@ -70,14 +72,15 @@ def offloaded_inputs(batch):
     return {"inputs_embeds": batch["inputs_embeds"], "attention_mask": batch["attention_mask"]}
 
 
-def reference_run(data, batch_size=4, model=None, **loop):
+def reference_run(data, batch_size=4, model=None, wrap=lambda model: model, **loop):
+    """The plain loop on ``model`` (run as ``wrap(model)``) with nn.Embedding: (table, model)."""
     model = bert() if model is None else model
     optimizer = with_adagrad_table(
         torch.optim.AdamW(dense_parameters(model), lr=DENSE_LR, eps=1e-6),
         model.get_input_embeddings().weight,
     )
     loader = torch.utils.data.DataLoader(data, batch_size=batch_size)
-    plain_loop(model, optimizer, loader, inputs=reference_inputs, **loop)
+    plain_loop(wrap(model), optimizer, loader, inputs=reference_inputs, **loop)
     return model.get_input_embeddings().weight.detach(), model
 
 
@@ -135,6 +138,25 @@ def test_activation_checkpointing_trains_as_with_nn_embedding(tmp_path, data, re
     with offloaded(model, tmp_path / "t.zarr") as pipe:
         loader = pipe.loader(data, batch_size=4, num_workers=2)
         plain_loop(model, table_group_optimizer(model, pipe), loader, inputs=offloaded_inputs)
+    same_as_reference(tmp_path, model, reference)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", slow("inductor")])
+def test_a_compiled_model_trains_as_with_nn_embedding(tmp_path, data, backend):
+    """torch.compile traces the forward and the backward around the pipe's rows (aot_eager: the
+    autograd graph inductor would get; inductor: generated C++ kernels, as users run it)."""
+    if backend == "inductor" and shutil.which("g++") is None:
+        pytest.skip("inductor on CPU needs a C++ compiler (g++)")
+
+    def compiled(model):
+        return torch.compile(model, backend=backend)
+
+    reference = reference_run(data, wrap=compiled)
+    model = bert()
+    with offloaded(model, tmp_path / "t.zarr") as pipe:
+        loader = pipe.loader(data, batch_size=4, num_workers=2)
+        optimizer = table_group_optimizer(model, pipe)
+        plain_loop(compiled(model), optimizer, loader, inputs=offloaded_inputs)
     same_as_reference(tmp_path, model, reference)
 
 
