@@ -64,12 +64,9 @@ def offload(
         raise InvalidRowsError(
             "the input embeddings are on the meta device (not loaded); load the weights first"
         )
-    placeholder = OffloadedEmbedding(
-        *weight.shape,
-        str(os.path.abspath(os.path.expanduser(path))),
-        padding_idx=getattr(embeddings, "padding_idx", None),
-        dtype=weight.dtype,
-        device=weight.device,
+    # refuses a module that does more than gather rows, or scale them (Gemma, MBart...)
+    placeholder = OffloadedEmbedding.replacing(
+        embeddings, str(os.path.abspath(os.path.expanduser(path)))
     )
     tied = _tied_names(model, embeddings, placeholder)
     if tied:
@@ -88,21 +85,17 @@ def offload(
         lambda: Table.from_tensor(
             path, weight.detach(), chunk_rows=chunk_rows, overwrite=overwrite, progress=progress
         ),
-        placeholder.padding_idx,
+        placeholder.recorded(),
         path,
     )
     placeholder.path = table.path
-    # the gradient parameter a pipe on this table will use: an optimizer built now holds it; a
-    # weight frozen before offload (requires_grad False) leaves the table frozen, as it was
-    empty = torch.empty(0, weight.shape[1], device=weight.device)
-    placeholder.attach(nn.Parameter(empty, requires_grad=weight.requires_grad))
     model.set_input_embeddings(placeholder)
     setattr(weight, OFFLOADED, table.path)  # an optimizer built before holds it: raises at step
     ignore_in_ddp(model, placeholder)
     return table
 
 
-def _write_once(write: Any, padding_idx: int | None, path: Any) -> Table:
+def _write_once(write: Any, metadata: dict[str, Any], path: Any) -> Table:
     """The new table, written by this process, or (in a process group of several ranks, where
     every rank offloads its copy of the model) by rank 0 while the others wait, then open it
     read-only; a pipe made on every rank then shards it (``embedpipe/shards.py``)."""
@@ -112,8 +105,8 @@ def _write_once(write: Any, padding_idx: int | None, path: Any) -> Table:
     if rank == 0:
         try:
             table = write()
-            if padding_idx is not None:  # the pipe's default padding_idx
-                table._update_metadata(padding_idx=int(padding_idx))
+            if metadata:  # the pipe's default padding_idx, the rows' scale
+                table._update_metadata(**metadata)
         except Exception as e:
             error = e
     if group is None:
@@ -170,7 +163,7 @@ def restored(model: nn.Module, source: Any) -> Iterator[nn.Module]:
         model.set_input_embeddings(placeholder)
 
 
-def _embedding_of(model: nn.Module, source: Any) -> nn.Embedding:
+def _embedding_of(model: nn.Module, source: Any) -> nn.Module:
     placeholder = model.get_input_embeddings()
     if not isinstance(placeholder, OffloadedEmbedding):
         raise ValueError(f"the word embeddings of this {type(model).__name__} are not offloaded")
@@ -191,8 +184,7 @@ def _embedding_of(model: nn.Module, source: Any) -> nn.Embedding:
         raise InvalidRowsError(
             f"the table holds {tuple(weight.shape)} rows but the model's embedding was {expected}"
         )
-    embedding = nn.Embedding(*expected, padding_idx=placeholder.padding_idx, _weight=weight)
-    return embedding.to(device=placeholder.device, dtype=placeholder.dtype)
+    return placeholder.restore(weight)
 
 
 def untie(model: nn.Module) -> nn.Module:

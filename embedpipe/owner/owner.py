@@ -122,9 +122,9 @@ class Owner:
         #: Not when the cache holds the whole table: nothing to choose then.
         self.looks_ahead = isinstance(policy, Lookahead) and 0 < policy.cache_rows < table.num_rows
         self.stream: Stream | None = None
-        #: The dtype the models offloaded to this table expect ``inputs_embeds`` in, when not
-        #: the table's (``model.half()``); the pipe hands it down (None: the table's own).
-        self.embeds_dtype: Callable[[], torch.dtype | None] = lambda: None
+        #: ``inputs_embeds`` as the models offloaded to this table take them (their dtype, their
+        #: embedding's scale: ``placeholder.finish_embeds``); the pipe hands it down.
+        self.finish_embeds: Callable[[torch.Tensor], torch.Tensor] = lambda embeds: embeds
         self.blind = False  # foresight kept missing: no more streams (``look_blind``)
 
     # ------------------------------------------------------------------------- training loop

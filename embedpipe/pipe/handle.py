@@ -31,7 +31,7 @@ from ..service.client import RemoteOwner
 from ..service.rank import RankOwner, open_shared
 from ..store.checkpoints import Checkpoint
 from ..store.table import Table
-from .placeholder import ignore_in_ddp, offloaded_embeddings
+from .placeholder import finish_embeds, ignore_in_ddp, offloaded_embeddings, recorded_scale
 from .unclosed import close_when_collected
 
 CONSISTENCY = ("exact", "bounded")
@@ -226,7 +226,9 @@ class EmbeddingPipe:
             raise
         self.table = table
         # a function of the table, not a method: the owner must not keep the pipe alive
-        self._owner.embeds_dtype = partial(_embeds_dtype, table.path, table.dtype)
+        self._owner.finish_embeds = partial(
+            finish_embeds, table.path, recorded_scale(table.metadata)
+        )
         self.optimizer = optimizer
         self.consistency = consistency
         self.padding_idx = padding_idx
@@ -394,17 +396,6 @@ class EmbeddingPipe:
             f"EmbeddingPipe({self.table.path!r}, cache_rows={owner.shared.cache_rows}, "
             f"optimizer={self.optimizer}, consistency={self.consistency!r})"
         )
-
-
-def _embeds_dtype(path: str, table_dtype: np.dtype) -> torch.dtype | None:
-    """The dtype of the models offloaded to the table at ``path``, if they agree on one other
-    than the table's: a model cast after ``offload`` (``model.half()``, ``.double()``) gets
-    ``inputs_embeds`` in its own dtype, as its embedding would have given them."""
-    dtypes = {p.dtype for p in offloaded_embeddings(path)}
-    if len(dtypes) != 1:
-        return None
-    dtype = dtypes.pop()
-    return None if dtype == getattr(torch, table_dtype.name) else dtype
 
 
 def _describe_creator() -> str:

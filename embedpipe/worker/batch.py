@@ -77,8 +77,8 @@ class Owner(Protocol):
     def relookup(self, batch: EmbeddedBatch, ids: torch.Tensor) -> None:
         """The batch's ids were edited in place: gather the rows of the new ones."""
 
-    def embeds_dtype(self) -> torch.dtype | None:
-        """The dtype the model wants ``inputs_embeds`` in, if it is not the table's."""
+    def finish_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
+        """The gathered rows as the model takes them: in its dtype, times its embedding's scale."""
 
 
 class Source(Protocol):
@@ -357,8 +357,8 @@ class EmbeddedBatch(Mapping[str, Any]):
             return self.fields[key]
         rows = self.rows  # first: follows an in-place edit of the ids (the NOTE)
         embeds = F.embedding(self._inverse, rows)  # (U, D) -> (B, L, D), a new graph each read
-        dtype = self._owner.embeds_dtype() if self._owner is not None else None
-        return embeds if dtype is None else embeds.to(dtype)  # a model cast after offload
+        # a model cast after offload, an embedding that scales its rows (Gemma, MBart...)
+        return embeds if self._owner is None else self._owner.finish_embeds(embeds)
 
     def __contains__(self, key: object) -> bool:
         return key == INPUTS_EMBEDS or key in self.fields

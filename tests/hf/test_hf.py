@@ -17,10 +17,12 @@ from embedpipe.hf import (
     TiedWeightsError,
     embedding_bytes,
     offload,
+    restore,
     untie,
 )
 
 from ..conftest import tiny_bert_config
+from ..frameworks import ADAGRAD, with_adagrad_table
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,6 +60,39 @@ def gpt2(tie: bool = False) -> torch.nn.Module:
     )
     config.bos_token_id = config.eos_token_id = V - 1
     return transformers.GPT2LMHeadModel(config).eval()
+
+
+def gemma() -> torch.nn.Module:
+    """Gemma's word embedding multiplies its rows by sqrt(hidden) (a buffer) in its forward."""
+    torch.manual_seed(0)
+    config = transformers.GemmaConfig(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    return untie(transformers.GemmaForCausalLM(config)).eval()
+
+
+def xglm() -> torch.nn.Module:
+    """XGLM's (as MBart's, M2M100's...) multiplies them by a float, sqrt(d_model)."""
+    torch.manual_seed(0)
+    config = transformers.XGLMConfig(
+        vocab_size=V,
+        d_model=D,
+        num_layers=2,
+        attention_heads=2,
+        ffn_dim=64,
+        scale_embedding=True,
+        max_position_embeddings=64,
+        pad_token_id=1,
+    )
+    return untie(transformers.XGLMForCausalLM(config)).eval()
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,8 +135,17 @@ def test_offload_writes_the_weight_bit_for_bit_and_frees_it(tmp_path):
         lambda: bert("BertForSequenceClassification", num_labels=3),
         llama,
         gpt2,
+        gemma,
+        xglm,
     ],
-    ids=["BertModel", "BertForSequenceClassification", "LlamaForCausalLM", "GPT2LMHeadModel"],
+    ids=[
+        "BertModel",
+        "BertForSequenceClassification",
+        "LlamaForCausalLM",
+        "GPT2LMHeadModel",
+        "GemmaForCausalLM",
+        "XGLMForCausalLM",
+    ],
 )
 def test_inputs_embeds_after_offload_equal_input_ids_before(tmp_path, make):
     model = make()
@@ -110,9 +154,11 @@ def test_inputs_embeds_after_offload_equal_input_ids_before(tmp_path, make):
     with torch.no_grad():
         expected = model(input_ids=ids, attention_mask=mask)[0]
         offload(model, tmp_path / "vocab.zarr").close()
-        # inputs_embeds: (B, L, D), the rows the loader would gather
-        got = model(inputs_embeds=weight[ids], attention_mask=mask)[0]
-    assert torch.equal(got, expected)
+        # inputs_embeds: (B, L, D), the rows the loader would gather, as the pipe finishes them
+        got = model(
+            inputs_embeds=model.get_input_embeddings().finish(weight[ids]), attention_mask=mask
+        )
+    assert torch.equal(got[0], expected)
 
 
 def test_offloaded_model_refuses_input_ids_with_the_remedy(tmp_path):
@@ -231,3 +277,135 @@ def test_embedding_bytes(tmp_path):
         assert embedding_bytes(model) == embedding_bytes(table) == V * D * 4 * 4
     with pytest.raises(ValueError, match="optimizer must be one of"):
         embedding_bytes((V, D), "lion")
+
+
+@pytest.mark.parametrize("owner", ["thread", "process"])
+@pytest.mark.parametrize("make", [gemma, xglm], ids=["Gemma", "XGLM"])
+def test_a_word_embedding_that_scales_its_rows_trains_and_restores_as_it_was(tmp_path, make, owner):
+    """Gemma's and XGLM's embedding multiply the rows by embed_scale in their forward, which a
+    model given inputs_embeds skips: the pipe's inputs_embeds carry the scale, so the model, its
+    gradient and the table train bit for bit as with the embedding in the model."""
+    generator = torch.Generator().manual_seed(1)
+    data = [
+        {"input_ids": ids, "labels": ids}
+        for ids in torch.randint(2, V, (16, 8), generator=generator)
+    ]
+    reference = make().train()
+    weight = reference.get_input_embeddings().weight
+    optimizer = with_adagrad_table(
+        torch.optim.AdamW([p for p in reference.parameters() if p is not weight], lr=1e-3), weight
+    )
+    for batch_ in torch.utils.data.DataLoader(data, batch_size=4):
+        reference(input_ids=batch_["input_ids"], labels=batch_["labels"]).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model = make().train()
+    scaled = type(model.get_input_embeddings())
+    table = offload(model, tmp_path / "vocab.zarr", chunk_rows=64)
+    adagrad = embedpipe.optim.Adagrad(**ADAGRAD)
+    with embedpipe.EmbeddingPipe(table, cache_rows=50, optimizer=adagrad, owner=owner) as pipe:
+        dense = [p for p in model.parameters() if p is not pipe.parameter]
+        optimizer = torch.optim.AdamW(
+            [{"params": dense}, {"params": [pipe.parameter], "lr": ADAGRAD["lr"]}], lr=1e-3
+        )
+        for batch_ in pipe.loader(data, batch_size=4, num_workers=2):
+            model(inputs_embeds=batch_["inputs_embeds"], labels=batch_["labels"]).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert torch.equal(pipe.table.to_tensor(), weight)
+        state, expected = model.state_dict(), reference.state_dict()
+        assert set(expected) - set(state) == {"model.embed_tokens.weight"}
+        assert all(torch.equal(v, expected[k]) for k, v in state.items())
+        restore(model, pipe)
+    assert type(model.get_input_embeddings()) is scaled  # with its scale: generate() works
+    ids, mask = batch()
+    with torch.no_grad():
+        got = model.eval()(input_ids=ids, attention_mask=mask).logits
+        assert torch.equal(got, reference.eval()(input_ids=ids, attention_mask=mask).logits)
+
+
+class DroppedOut(torch.nn.Embedding):
+    """A word embedding with dropout in its forward: inputs_embeds would skip it."""
+
+    def forward(self, ids):
+        return torch.nn.functional.dropout(super().forward(ids), 0.1, self.training)
+
+
+def noisy(model) -> None:
+    """NEFTune-style noise from a forward hook, in training only."""
+    model.get_input_embeddings().register_forward_hook(
+        lambda module, args, out: out + torch.rand_like(out) if module.training else out
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda m: setattr(m.get_input_embeddings(), "max_norm", 1.0), "max_norm"),
+        (lambda m: setattr(m.get_input_embeddings(), "scale_grad_by_freq", True), "max_norm"),
+        (noisy, "other than the rows"),
+        (
+            lambda m: setattr(m.get_input_embeddings(), "__class__", DroppedOut),
+            "other than the rows",
+        ),
+        (
+            lambda m: (
+                setattr(m.get_input_embeddings(), "embed_scale", 2.0) or noisy(m)
+            ),  # a scale, and something else too
+            r"other than the rows it looks up times its embed_scale \(2\)",
+        ),
+    ],
+    ids=["max_norm", "scale_grad_by_freq", "forward-hook", "dropout", "scale-and-hook"],
+)
+def test_an_embedding_doing_more_than_a_lookup_is_refused_before_anything_is_written(
+    tmp_path, change, match
+):
+    model = bert().eval()  # eval: offload checks the training mode's output too
+    change(model)
+    embeddings = model.get_input_embeddings()
+    path = tmp_path / "vocab.zarr"
+    rng = torch.get_rng_state()
+    with pytest.raises(errors.InvalidRowsError, match=match):
+        offload(model, path)
+    assert not path.exists() and model.get_input_embeddings() is embeddings
+    assert not embeddings.training  # its mode as it was
+    assert torch.equal(torch.get_rng_state(), rng)  # the check drew nothing from the program's
+
+
+@pytest.mark.parametrize("trains", [False, True], ids=["frozen", "training"])
+def test_a_model_rebuilt_on_an_existing_table_keeps_the_scale_with_replacing(tmp_path, trains):
+    """A new process builds the model again and puts a placeholder for the existing table in
+    place of its fresh embedding: ``replacing`` takes the scale from it; frozen pipes scale too."""
+    model = gemma()
+    ids, mask = batch()
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+    path = str(tmp_path / "vocab.zarr")
+    offload(model, path).close()
+    rebuilt = gemma()
+    rebuilt.set_input_embeddings(OffloadedEmbedding.replacing(rebuilt.get_input_embeddings(), path))
+    optimizer = embedpipe.optim.Adagrad(**ADAGRAD) if trains else None
+    with embedpipe.EmbeddingPipe(path, cache_rows=50, optimizer=optimizer) as pipe:
+        loaded = next(iter(pipe.loader([{"input_ids": i} for i in ids], batch_size=len(ids))))
+        with torch.no_grad():
+            got = rebuilt(inputs_embeds=loaded["inputs_embeds"], attention_mask=mask).logits
+    assert torch.equal(got, expected)
+
+
+def test_a_scaled_table_converts_to_what_the_models_embedding_returned(tmp_path):
+    """The table records the scale: ``embedpipe convert``, in a process with no model, writes
+    the rows times it, as the model's own embedding returns them."""
+    model = gemma()
+    ids, _ = batch()
+    with torch.no_grad():
+        expected = model.get_input_embeddings()(ids)
+    offload(model, tmp_path / "vocab.zarr").close()
+    del model
+    gc.collect()  # no placeholder left in this process: the table's record is what counts
+    np.save(tmp_path / "shard.npy", ids.numpy())
+    out = tmp_path / "shard.emb.zarr"
+    embedpipe.convert(tmp_path / "vocab.zarr", tmp_path / "shard.npy", out, workers=0)
+    shard = embedpipe.ConvertedShard(out)
+    got = torch.stack([shard[i]["inputs_embeds"] for i in range(len(shard))])
+    assert torch.equal(got, expected)
