@@ -20,6 +20,7 @@ from torch import nn
 
 from ..errors import EmbeddingsOffloadedError, EmbedpipeError, InvalidRowsError
 from ..owner.gradient import OFFLOADED
+from ..pipe.derived import watch
 from ..pipe.placeholder import OffloadedEmbedding, ignore_in_ddp
 from ..ranks.shards import process_group
 from ..store.table import Table
@@ -92,6 +93,7 @@ def offload(
     model.set_input_embeddings(placeholder)
     setattr(weight, OFFLOADED, table.path)  # an optimizer built before holds it: raises at step
     ignore_in_ddp(model, placeholder)
+    watch(model)  # positions and pooled tokens it finds in input_ids (NOTE in pipe/derived.py)
     return table
 
 

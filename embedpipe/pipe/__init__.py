@@ -4,7 +4,9 @@
   ``loader``, ``step``, checkpoints, ``close``);
 - ``loader.py``: :class:`PipeLoader`, a DataLoader whose batches arrive embedded;
 - ``placeholder.py``: :class:`OffloadedEmbedding`, the module that stands where a model's
-  ``nn.Embedding`` was and holds ``pipe.parameter``;
+  ``nn.Embedding`` was and holds ``pipe.parameter`` (and the scale its rows were multiplied by);
+- ``derived.py``: hooks on the model's modules that find positions or the pooled token in
+  ``input_ids``, so that ``inputs_embeds`` give them the same;
 - ``meter.py``: :class:`PipeMeter`, the pipe's figures per logging interval for trainers' logs.
 """
 

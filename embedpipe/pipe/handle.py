@@ -31,6 +31,7 @@ from ..service.client import RemoteOwner
 from ..service.rank import RankOwner, open_shared
 from ..store.checkpoints import Checkpoint
 from ..store.table import Table
+from .derived import watch
 from .placeholder import finish_embeds, ignore_in_ddp, offloaded_embeddings, recorded_scale
 from .unclosed import close_when_collected
 
@@ -308,6 +309,7 @@ class EmbeddingPipe:
             embeddings = found[0]
         embeddings.attach(self.parameter)
         ignore_in_ddp(model, embeddings)
+        watch(model)  # NOTE [ What a model derives from input_ids ]
 
     def step(self) -> bool:
         """Apply the pending gradient as one table step, at the row optimizer's learning rate.

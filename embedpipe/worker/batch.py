@@ -58,6 +58,25 @@ if TYPE_CHECKING:
     from .looked_up import LookedUp
 
 INPUTS_EMBEDS = "inputs_embeds"
+#: The attribute of each ``inputs_embeds`` a batch makes: the ids it gathered, (B, L) when called
+#: (NOTE [ What a model derives from input_ids ] in ``embedpipe/pipe/derived.py``).
+GATHERED_IDS = "_embedpipe_ids"
+
+
+class _Gathered:
+    """The ids a batch's ``inputs_embeds`` were gathered for, made only when asked for."""
+
+    def __init__(self, unique_ids: torch.Tensor, inverse: torch.Tensor) -> None:
+        self.unique_ids, self.inverse = unique_ids, inverse
+
+    def __call__(self) -> torch.Tensor:
+        return self.unique_ids.to(self.inverse.device)[self.inverse]
+
+
+def gathered_ids(embeds: Any) -> torch.Tensor | None:
+    """The (B, L) ids ``embeds`` were gathered for, if a batch of a pipe made them."""
+    gathered = getattr(embeds, GATHERED_IDS, None) if isinstance(embeds, torch.Tensor) else None
+    return None if gathered is None else gathered()
 
 
 class Owner(Protocol):
@@ -358,7 +377,10 @@ class EmbeddedBatch(Mapping[str, Any]):
         rows = self.rows  # first: follows an in-place edit of the ids (the NOTE)
         embeds = F.embedding(self._inverse, rows)  # (U, D) -> (B, L, D), a new graph each read
         # a model cast after offload, an embedding that scales its rows (Gemma, MBart...)
-        return embeds if self._owner is None else self._owner.finish_embeds(embeds)
+        if self._owner is not None:
+            embeds = self._owner.finish_embeds(embeds)
+        setattr(embeds, GATHERED_IDS, _Gathered(self._unique_ids, self._inverse))
+        return embeds
 
     def __contains__(self, key: object) -> bool:
         return key == INPUTS_EMBEDS or key in self.fields

@@ -409,3 +409,85 @@ def test_a_scaled_table_converts_to_what_the_models_embedding_returned(tmp_path)
     shard = embedpipe.ConvertedShard(out)
     got = torch.stack([shard[i]["inputs_embeds"] for i in range(len(shard))])
     assert torch.equal(got, expected)
+
+
+def classifier(name: str) -> torch.nn.Module:
+    """A tiny ``name`` model from its config (pad id 1, as RoBERTa's), in eval mode."""
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=V, hidden_size=D, intermediate_size=64, num_attention_heads=2)
+    configs = {
+        "RobertaForSequenceClassification": lambda: transformers.RobertaConfig(
+            **sizes, num_hidden_layers=2, max_position_embeddings=64
+        ),
+        "XLMRobertaForMaskedLM": lambda: transformers.XLMRobertaConfig(
+            **sizes, num_hidden_layers=2, max_position_embeddings=64, tie_word_embeddings=False
+        ),
+        "MPNetForSequenceClassification": lambda: transformers.MPNetConfig(
+            **sizes, num_hidden_layers=2, max_position_embeddings=64
+        ),
+        "LlamaForSequenceClassification": lambda: transformers.LlamaConfig(
+            **sizes, num_hidden_layers=2, num_key_value_heads=2, max_position_embeddings=64
+        ),
+        "GPT2ForSequenceClassification": lambda: transformers.GPT2Config(
+            vocab_size=V, n_embd=D, n_layer=2, n_head=2, n_positions=64
+        ),
+    }
+    config = configs[name]()
+    config.pad_token_id = 1
+    return getattr(transformers, name)(config).eval()
+
+
+def padded(where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three rows of ids 2..V-1; row 1 padded with id 1 on the ``where`` side (or inside it)."""
+    ids = torch.randint(2, V, (3, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    span = {"left": slice(0, 3), "right": slice(6, 9), "inside": slice(3, 5)}[where]
+    ids[1, span], mask[1, span] = 1, 0
+    return ids, mask
+
+
+def pipe_embeds(tmp_path, model, ids, mask, **pipe_options):
+    """The model offloaded; its output on the pipe's inputs_embeds for ``ids``."""
+    table = offload(model, tmp_path / "vocab.zarr")
+    with embedpipe.EmbeddingPipe(table, cache_rows=50, **pipe_options) as pipe:
+        samples = [{"input_ids": i, "attention_mask": m} for i, m in zip(ids, mask)]
+        loaded = next(iter(pipe.loader(samples, batch_size=len(samples))))
+        with torch.no_grad():
+            return model(inputs_embeds=loaded["inputs_embeds"], attention_mask=mask)[0]
+
+
+@pytest.mark.parametrize("where", ["left", "inside"])
+@pytest.mark.parametrize(
+    "name",
+    ["RobertaForSequenceClassification", "XLMRobertaForMaskedLM", "MPNetForSequenceClassification"],
+)
+def test_positions_numbered_from_the_ids_are_numbered_from_the_gathered_ids(tmp_path, name, where):
+    """RoBERTa-like embeddings give padding no position and number the real tokens after it,
+    from input_ids; given inputs_embeds they would number every position. The pipe's
+    inputs_embeds carry their ids and the embedding block is given them."""
+    model = classifier(name)
+    ids, mask = padded(where)
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask)[0]
+    assert torch.equal(pipe_embeds(tmp_path, model, ids, mask), expected)
+
+
+@pytest.mark.parametrize(
+    "name", ["LlamaForSequenceClassification", "GPT2ForSequenceClassification"]
+)
+def test_a_classifier_pooling_the_last_real_token_raises_on_right_padding(tmp_path, name):
+    """Given inputs_embeds, transformers pools the last position, padding in a right-padded row:
+    raised, naming the row and the remedy; left padding pools the same token as input_ids."""
+    model = classifier(name)
+    ids, mask = padded("left")
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(pipe_embeds(tmp_path / "left", model, ids, mask), expected)
+
+    model = classifier(name)
+    ids, mask = padded("right")
+    with pytest.raises(EmbeddingsOffloadedError, match=r"rows \[1\].*padding_side = 'left'"):
+        pipe_embeds(tmp_path / "right", model, ids, mask)
+    # inputs_embeds remade by the loop carry no ids: the attention mask tells
+    with pytest.raises(EmbeddingsOffloadedError, match="attention mask ends in padding"):
+        model(inputs_embeds=torch.zeros(3, 9, D), attention_mask=mask)

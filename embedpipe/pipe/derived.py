@@ -1,0 +1,137 @@
+"""What a model derives from ``input_ids``, which ``inputs_embeds`` alone do not carry.
+
+NOTE [ What a model derives from input_ids ]
+A model called with ``inputs_embeds`` instead of ``input_ids`` skips its word embedding, and it
+also loses what some models compute from the ids themselves:
+
+- **Positions that skip padding** (RoBERTa, XLM-R, CamemBERT, Longformer, MPNet, Data2Vec,
+  M2M100...): their embedding block numbers the positions of non-padding tokens from
+  ``padding_idx + 1`` and gives padding the position ``padding_idx``. Given ``inputs_embeds``, it
+  numbers every position in turn: a left-padded row, or padding inside a row, moves the real
+  tokens' positions.
+- **The token a classifier pools** (``*ForSequenceClassification`` of Llama, Mistral, Qwen,
+  Gemma, GPT-2, OPT, Bloom, Falcon...): each row's last token that is not ``pad_token_id``,
+  found in ``input_ids``. Given ``inputs_embeds``, it pools the last position, which in a
+  right-padded row is padding (transformers logs a warning, once).
+
+Either would train another model without an error. So every ``inputs_embeds`` a batch makes
+carries the ids it gathered (``worker/batch.py``: ``GATHERED_IDS``), and :func:`watch` puts a
+forward pre-hook on the model's modules that do either:
+
+- a module whose ``forward`` takes ``input_ids`` and ``inputs_embeds`` and numbers positions
+  from the ids (its source calls ``create_position_ids_from_input_ids``) is given the batch's
+  ids as ``input_ids`` too, when called without them: it numbers positions from them, and uses
+  ``inputs_embeds`` for the rows as it always does, so it computes what it did with the ids;
+- a classifier that pools the last non-padding token raises when it would pool another token
+  than the last position in any row, naming the rows and the remedy (pad on the left, where the
+  last token is a real one in every row, or give each row its own batch).
+
+``embedpipe.hf.offload`` and ``EmbeddingPipe.attach`` call :func:`watch`. Modules are recognised
+by their code (duck-typed; no import of transformers). ``inputs_embeds`` that the loop made from
+a batch's (``embeds * 2``, ``.to(device)``) lose the ids: a pooling classifier then falls back to
+the attention mask (right padding raises), and a position-numbering block to numbering every
+position, as without embedpipe.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import EmbeddingsOffloadedError
+from ..worker.batch import gathered_ids
+
+_WATCHED = "_embedpipe_watched"
+
+
+def watch(model: nn.Module) -> None:
+    """Hook the modules of ``model`` that derive positions or the pooled token from
+    ``input_ids`` (see the NOTE); once per module."""
+    for module in model.modules():
+        if getattr(module, _WATCHED, False):
+            continue
+        source = _forward_source(module)
+        if source is None:
+            continue
+        signature = inspect.signature(module.forward)
+        if not {"input_ids", "inputs_embeds"} <= signature.parameters.keys():
+            continue
+        if "create_position_ids_from_input_ids" in source:
+            hook = _positions_from_ids
+        elif "last_non_pad_token" in source:
+            hook = _pooled_token_is_last
+        else:
+            continue
+        module.register_forward_pre_hook(partial(hook, signature), with_kwargs=True)
+        setattr(module, _WATCHED, True)
+
+
+def _forward_source(module: nn.Module) -> str | None:
+    forward = type(module).forward
+    if forward is nn.Module.forward or getattr(forward, "__module__", "").startswith("torch."):
+        return None
+    try:
+        return inspect.getsource(forward)
+    except (OSError, TypeError):
+        return None
+
+
+def _bound(
+    signature: inspect.Signature, args: tuple, kwargs: dict
+) -> inspect.BoundArguments | None:
+    try:
+        return signature.bind_partial(*args, **kwargs)
+    except TypeError:
+        return None
+
+
+def _positions_from_ids(
+    signature: inspect.Signature, module: nn.Module, args: tuple, kwargs: dict
+) -> Any:
+    bound = _bound(signature, args, kwargs)
+    if bound is None or bound.arguments.get("input_ids") is not None:
+        return None
+    ids = gathered_ids(bound.arguments.get("inputs_embeds"))
+    if ids is None:
+        return None
+    bound.arguments["input_ids"] = ids
+    return bound.args, bound.kwargs
+
+
+def _pooled_token_is_last(
+    signature: inspect.Signature, module: nn.Module, args: tuple, kwargs: dict
+) -> None:
+    bound = _bound(signature, args, kwargs)
+    if bound is None or bound.arguments.get("input_ids") is not None:
+        return
+    embeds = bound.arguments.get("inputs_embeds")
+    config = getattr(module, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    pad = getattr(text, "pad_token_id", None)
+    if embeds is None or pad is None:
+        return
+    ids = gathered_ids(embeds)
+    if ids is not None:
+        # transformers' own choice: the rightmost position whose id is not pad_token_id
+        positions = torch.arange(ids.shape[-1], device=ids.device)
+        pooled = (positions * (ids != pad)).argmax(-1)
+        rows = (pooled != ids.shape[-1] - 1).nonzero().flatten().tolist()
+        seen = f"whose last id is the pad_token_id {pad}"
+    else:
+        mask = bound.arguments.get("attention_mask")
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            return
+        rows = (mask[:, -1] == 0).nonzero().flatten().tolist()
+        seen = "whose attention mask ends in padding"
+    if rows:
+        raise EmbeddingsOffloadedError(
+            f"{type(module).__name__} pools each row's last token that is not padding, which it "
+            "finds in input_ids; given inputs_embeds it pools the last position instead, and "
+            f"rows {rows[:8]} of this batch end in padding ({seen}): it would train on the "
+            "padding. Pad on the left (tokenizer.padding_side = 'left'), so that every row ends "
+            "in a real token"
+        )
