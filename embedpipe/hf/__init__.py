@@ -11,6 +11,8 @@ train it with ``transformers.Trainer``.
   trained table back into the model, for ``save_pretrained``), :func:`embedding_bytes` (the
   accelerator memory the table costs while it lives in the model). Works with any
   ``transformers.PreTrainedModel``, duck-typed: transformers is imported only by the caller.
+- ``probe.py``: ``offload``'s check that the model computes the same from ``inputs_embeds`` as
+  from ``input_ids`` (and the scale some models put on the looked-up rows);
 - ``trainer.py``: :class:`Trainer`, a ``transformers.Trainer`` that trains through a pipe
   (imported when first asked for: it imports transformers).
 

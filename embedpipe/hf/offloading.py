@@ -20,10 +20,12 @@ from torch import nn
 
 from ..errors import EmbeddingsOffloadedError, EmbedpipeError, InvalidRowsError
 from ..owner.gradient import OFFLOADED
-from ..pipe.derived import watch
+from ..pipe.derived import unwatch, watch
 from ..pipe.placeholder import OffloadedEmbedding, ignore_in_ddp
+from ..pipe.rowscale import recorded_scale
 from ..ranks.shards import process_group
 from ..store.table import Table
+from .probe import check
 
 #: Copies of the table an optimizer keeps on top of the weight and its gradient.
 OPTIMIZER_COPIES = {"sgd": 0, "adagrad": 1, "adam": 2, "adamw": 2}
@@ -69,32 +71,45 @@ def offload(
     placeholder = OffloadedEmbedding.replacing(
         embeddings, str(os.path.abspath(os.path.expanduser(path)))
     )
-    tied = _tied_names(model, embeddings, placeholder)
-    if tied:
-        output = getattr(model.get_output_embeddings(), "weight", None)
-        remedy = (
-            "call embedpipe.hf.untie(model) to give the output layer its own copy, then offload"
-            if _same_storage(output, weight)
-            else "give those parameters their own copy first"
+    added: list = []
+    try:
+        _refuse_tied(model, embeddings, placeholder)
+        added = watch(model)  # positions, pooled tokens it finds in input_ids (pipe/derived.py)
+        check(model, embeddings, placeholder)  # NOTE [ The model probed before offload ]
+        table = _write_once(
+            lambda: Table.from_tensor(
+                path, weight.detach(), chunk_rows=chunk_rows, overwrite=overwrite, progress=progress
+            ),
+            placeholder.recorded(),
+            path,
         )
-        name = next(n for n in _names(model, weight) if n not in tied)
-        raise TiedWeightsError(
-            f"the input embedding weight {name} is tied to {', '.join(tied)}; "
-            f"offloading it would leave {len(tied)} parameter(s) holding the table on the accelerator: {remedy}"
-        )
-    table = _write_once(
-        lambda: Table.from_tensor(
-            path, weight.detach(), chunk_rows=chunk_rows, overwrite=overwrite, progress=progress
-        ),
-        placeholder.recorded(),
-        path,
-    )
+    except BaseException:
+        unwatch(added)
+        placeholder._unregister()  # a pipe on the path must not find it
+        raise
     placeholder.path = table.path
     model.set_input_embeddings(placeholder)
     setattr(weight, OFFLOADED, table.path)  # an optimizer built before holds it: raises at step
     ignore_in_ddp(model, placeholder)
-    watch(model)  # positions and pooled tokens it finds in input_ids (NOTE in pipe/derived.py)
     return table
+
+
+def _refuse_tied(model: nn.Module, embeddings: nn.Module, placeholder: OffloadedEmbedding) -> None:
+    weight = embeddings.weight
+    tied = _tied_names(model, embeddings, placeholder)
+    if not tied:
+        return
+    output = getattr(model.get_output_embeddings(), "weight", None)
+    remedy = (
+        "call embedpipe.hf.untie(model) to give the output layer its own copy, then offload"
+        if _same_storage(output, weight)
+        else "give those parameters their own copy first"
+    )
+    name = next(n for n in _names(model, weight) if n not in tied)
+    raise TiedWeightsError(
+        f"the input embedding weight {name} is tied to {', '.join(tied)}; "
+        f"offloading it would leave {len(tied)} parameter(s) holding the table on the accelerator: {remedy}"
+    )
 
 
 def _write_once(write: Any, metadata: dict[str, Any], path: Any) -> Table:
@@ -172,21 +187,21 @@ def _embedding_of(model: nn.Module, source: Any) -> nn.Module:
     if hasattr(source, "flush") and hasattr(source, "table"):  # a pipe: write its steps first
         if source._owner.closed:  # its last steps are committed: read the table as it is now
             with Table.open(source.table.path, "r") as table:
-                weight = table.to_tensor()
+                weight, metadata = table.to_tensor(), table.metadata
         else:
             source.flush()
-            weight = source.table.to_tensor()
+            weight, metadata = source.table.to_tensor(), source.table.metadata
     elif isinstance(source, Table):
-        weight = source.to_tensor()
+        weight, metadata = source.to_tensor(), source.metadata
     else:
         with Table.open(source, "r") as table:
-            weight = table.to_tensor()
+            weight, metadata = table.to_tensor(), table.metadata
     expected = (placeholder.num_embeddings, placeholder.embedding_dim)
     if tuple(weight.shape) != expected:
         raise InvalidRowsError(
             f"the table holds {tuple(weight.shape)} rows but the model's embedding was {expected}"
         )
-    return placeholder.restore(weight)
+    return placeholder.restore(weight, recorded_scale(metadata))
 
 
 def untie(model: nn.Module) -> nn.Module:

@@ -5,6 +5,8 @@
 - ``loader.py``: :class:`PipeLoader`, a DataLoader whose batches arrive embedded;
 - ``placeholder.py``: :class:`OffloadedEmbedding`, the module that stands where a model's
   ``nn.Embedding`` was and holds ``pipe.parameter`` (and the scale its rows were multiplied by);
+- ``rowscale.py``: what a word embedding computes besides the lookup (a scale, or nothing), and
+  the scale applied to ``inputs_embeds``;
 - ``derived.py``: hooks on the model's modules that find positions or the pooled token in
   ``input_ids``, so that ``inputs_embeds`` give them the same;
 - ``meter.py``: :class:`PipeMeter`, the pipe's figures per logging interval for trainers' logs.

@@ -48,9 +48,11 @@ from ..worker.batch import gathered_ids
 _WATCHED = "_embedpipe_watched"
 
 
-def watch(model: nn.Module) -> None:
+def watch(model: nn.Module) -> list[tuple[nn.Module, Any]]:
     """Hook the modules of ``model`` that derive positions or the pooled token from
-    ``input_ids`` (see the NOTE); once per module."""
+    ``input_ids`` (see the NOTE); once per module. Returns the hooks it added, for
+    :func:`unwatch`."""
+    added = []
     for module in model.modules():
         if getattr(module, _WATCHED, False):
             continue
@@ -66,8 +68,17 @@ def watch(model: nn.Module) -> None:
             hook = _pooled_token_is_last
         else:
             continue
-        module.register_forward_pre_hook(partial(hook, signature), with_kwargs=True)
+        handle = module.register_forward_pre_hook(partial(hook, signature), with_kwargs=True)
         setattr(module, _WATCHED, True)
+        added.append((module, handle))
+    return added
+
+
+def unwatch(added: list[tuple[nn.Module, Any]]) -> None:
+    """Remove hooks :func:`watch` added (an ``offload`` that failed after it)."""
+    for module, handle in added:
+        handle.remove()
+        setattr(module, _WATCHED, False)
 
 
 def _forward_source(module: nn.Module) -> str | None:

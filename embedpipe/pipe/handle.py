@@ -32,7 +32,8 @@ from ..service.rank import RankOwner, open_shared
 from ..store.checkpoints import Checkpoint
 from ..store.table import Table
 from .derived import watch
-from .placeholder import finish_embeds, ignore_in_ddp, offloaded_embeddings, recorded_scale
+from .placeholder import finish_embeds, ignore_in_ddp, offloaded_embeddings
+from .rowscale import recorded_scale
 from .unclosed import close_when_collected
 
 CONSISTENCY = ("exact", "bounded")

@@ -10,7 +10,6 @@ them (``EmbeddingPipe.attach``) and asks them for the dtype ``inputs_embeds`` sh
 
 from __future__ import annotations
 
-import copy
 import functools
 import os
 import weakref
@@ -19,10 +18,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..errors import EmbeddingsOffloadedError, InvalidRowsError
+from ..errors import EmbeddingsOffloadedError
+from .rowscale import scale_of, scaled, without_weight
 
 #: The offloaded embedding modules of this process, by table path, oldest first: a pipe on that
 #: table adopts the newest one's gradient parameter and attaches it to all of them.
@@ -44,128 +43,33 @@ def offloaded_embeddings(path: str) -> list[OffloadedEmbedding]:
     return [m for m in (r() for r in reversed(refs)) if m is not None]
 
 
-# NOTE [ Scaled word embeddings ]
-# Many models' word embedding does more than gather rows: Gemma's, MBart's, M2M100's, NLLB's,
-# Blenderbot's, XGLM's... multiply them by ``embed_scale`` (sqrt(hidden size)) in the embedding
-# module's forward, ``embedding(ids) * embed_scale`` (a float) or ``* embed_scale.to(weight.dtype)``
-# (a buffer, which follows ``model.to(dtype)``). A model called with ``inputs_embeds`` skips that
-# module, so the pipe must apply the scale itself or the model would see unscaled rows, without an
-# error. ``OffloadedEmbedding.replacing`` takes the scale from the module it replaces, after
-# checking on a few ids, in train and eval mode, that the module's output is exactly the rows
-# times that scale (or the rows); any other module (a ``max_norm``, ``scale_grad_by_freq``, a
-# forward that normalises or drops out, a forward hook) is refused before anything is written.
-# A batch's ``inputs_embeds`` is then ``F.embedding(inverse, rows)`` cast to the model's dtype and
-# multiplied by the scale in the module's own form, so it equals the module's output bit for bit
-# and the gradient reaching the rows is the scaled one, as the embedding's weight would get.
-
-#: Ids tried when checking what an embedding module computes (NOTE [ Scaled word embeddings ]).
-_PROBE_IDS = 16
-
-
-def _scale_of(module: nn.Module) -> float | torch.Tensor | None:
-    """The ``embed_scale`` ``module`` multiplies its rows by, None if it only gathers them;
-    raises :class:`InvalidRowsError` if it does anything else (NOTE [ Scaled word embeddings ])."""
-    name = type(module).__name__
-    weight = module.weight
-    if getattr(module, "max_norm", None) is not None or getattr(
-        module, "scale_grad_by_freq", False
-    ):
-        raise InvalidRowsError(
-            f"the input embedding ({name}) has max_norm or scale_grad_by_freq set: it rescales "
-            "rows or gradients where embedpipe would gather rows only; unset them to offload it"
-        )
-    scale = getattr(module, "embed_scale", None)
-    if not isinstance(scale, (int, float, torch.Tensor)) or isinstance(scale, bool):
-        scale = None
-    if isinstance(scale, torch.Tensor) and scale.numel() != 1:
-        scale = None
-    ids = torch.arange(min(_PROBE_IDS, weight.shape[0]), device=weight.device)[None]
-    rows = F.embedding(ids, weight.detach())
-    mode = module.training
-    try:
-        # NOTE: fork_rng so that a module that draws (dropout) leaves the program's draws as they were
-        with torch.no_grad(), torch.random.fork_rng(devices=_devices(weight)):
-            outputs = []
-            for training in (True, False):
-                module.train(training)
-                outputs.append(module(ids))
-    except Exception as e:
-        raise InvalidRowsError(
-            f"the input embedding ({name}) could not be called with a batch of ids to check what "
-            f"it computes ({type(e).__name__}: {e}); embedpipe offloads nn.Embedding and "
-            "embeddings that scale their rows by embed_scale"
-        ) from e
-    finally:
-        module.train(mode)
-    for candidate in (None, scale) if scale is not None else (None,):
-        expected = rows if candidate is None else _scaled(rows, candidate)
-        if all(isinstance(o, torch.Tensor) and _same(o, expected) for o in outputs):
-            return candidate
-    raise InvalidRowsError(
-        f"the input embedding ({name}) returns something other than the rows it looks up"
-        + (f" times its embed_scale ({float(scale):g})" if scale is not None else "")
-        + ": a model called with inputs_embeds skips that module, so offloading it would change "
-        "what the model computes. embedpipe offloads nn.Embedding and embeddings that multiply "
-        "their rows by embed_scale; remove forward hooks or dropout from the embedding module"
-    )
-
-
-def _devices(weight: torch.Tensor) -> list[torch.device]:
-    return [weight.device] if weight.device.type == "cuda" else []
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
-
-
-def _scaled(embeds: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
-    """``embeds * scale`` as the scaled embeddings compute it: a buffer cast to the rows' dtype
-    first, a number as it is."""
-    if isinstance(scale, torch.Tensor):
-        return embeds * scale.to(device=embeds.device, dtype=embeds.dtype)
-    return embeds * scale
-
-
-def _without_weight(module: nn.Module) -> nn.Module:
-    """A shallow copy of ``module`` without its weight: what :meth:`OffloadedEmbedding.restore`
-    puts the rows back into, so the model gets a module of its own class again."""
-    template = copy.copy(module)
-    template._parameters = {k: v for k, v in module._parameters.items() if k != "weight"}
-    template._buffers = dict(module._buffers)
-    template._modules = dict(module._modules)
-    return template
-
-
-def recorded_scale(metadata: dict[str, Any]) -> float | torch.Tensor | None:
-    """The row scale a table's metadata records (:meth:`OffloadedEmbedding.recorded`)."""
-    recorded = metadata.get("embed_scale")
-    if recorded is None:
-        return None
-    value = float(recorded["value"])
-    return torch.tensor(value, dtype=torch.float32) if recorded["buffer"] else value
-
-
 def finish_embeds(
     path: str, recorded: float | torch.Tensor | None, embeds: torch.Tensor
 ) -> torch.Tensor:
     """``embeds`` gathered from the table at ``path`` as the models offloaded to it take them
-    (:meth:`OffloadedEmbedding.finish`): in their dtype if they agree on one (a model cast after
-    ``offload``: ``model.half()``), else the table's; times their scale. Several models on one
-    table that scale their rows differently raise: a batch cannot tell which one reads it. With
-    no model in this process, times the scale the table ``recorded`` at ``offload``."""
+    (:meth:`OffloadedEmbedding.finish`): in their dtype (a model cast after ``offload``:
+    ``model.half()``), times their scale (NOTE [ Scaled word embeddings ] in ``rowscale.py``).
+    A placeholder that knows no scale (one built by hand) takes the one the table ``recorded``
+    at ``offload``, as does a process with no model (``embedpipe convert``). Models on one table
+    that disagree on either raise: a batch cannot tell which one will read it."""
     modules = offloaded_embeddings(path)
     if not modules:
-        return embeds if recorded is None else _scaled(embeds, recorded)
-    scales = {m.scale_value for m in modules}
-    if len(scales) > 1:
+        return embeds if recorded is None else scaled(embeds, recorded)
+    table = None if recorded is None else float(recorded)
+    scales = {table if m.scale_value is None else m.scale_value for m in modules}
+    if len(scales | ({table} if table is not None else set())) > 1:
         raise EmbeddingsOffloadedError(
-            f"the models offloaded to {path} scale their embeddings differently ({sorted(map(str, scales))}); "
-            "offload each to a table of its own"
+            f"the models offloaded to {path} (or the table, which records {table}) disagree on "
+            f"the scale of its rows ({sorted(map(str, scales))}): a model whose embedding "
+            "scales its rows needs a table of its own"
         )
-    if len({m.dtype for m in modules}) == 1:
-        return modules[0].finish(embeds)
-    scale = modules[0].embed_scale
-    return embeds if scale is None else _scaled(embeds, scale)
+    dtypes = {m.dtype for m in modules}
+    if len(dtypes) > 1:
+        raise EmbeddingsOffloadedError(
+            f"the models offloaded to {path} take inputs_embeds in different dtypes "
+            f"({', '.join(sorted(map(str, dtypes)))}); cast them alike, or delete the old one"
+        )
+    return modules[0].finish(embeds, recorded)
 
 
 class OffloadedEmbedding(nn.Module):
@@ -209,9 +113,15 @@ class OffloadedEmbedding(nn.Module):
             self.register_buffer("embed_scale", embed_scale.detach().clone(), persistent=False)
         else:
             self.embed_scale = embed_scale
-        self._template: nn.Module | None = None  # the module it replaced, without its weight
+        # the module it replaced, without its weight (not a submodule: out of .modules())
+        object.__setattr__(self, "_template", None)
         # a pipe made on the table from now on finds it (and attaches its parameter to it)
         _OFFLOADED.setdefault(_resolved(path), []).append(weakref.ref(self))
+
+    def _unregister(self) -> None:
+        """Out of the registry: ``offload`` failed after making it."""
+        refs = _OFFLOADED.get(_resolved(self.path), [])
+        refs[:] = [r for r in refs if r() is not None and r() is not self]
 
     @classmethod
     def replacing(cls, module: nn.Module, path: str) -> OffloadedEmbedding:
@@ -221,6 +131,7 @@ class OffloadedEmbedding(nn.Module):
         module of ``module``'s class. A model rebuilt to resume on an existing table uses it too:
         ``model.set_input_embeddings(OffloadedEmbedding.replacing(model.get_input_embeddings(),
         path))``. Raises :class:`InvalidRowsError` for a module that does more than that."""
+        scale = scale_of(module)  # raises for a module that does more than scale its rows
         weight = module.weight
         placeholder = cls(
             *weight.shape,
@@ -228,9 +139,9 @@ class OffloadedEmbedding(nn.Module):
             padding_idx=getattr(module, "padding_idx", None),
             dtype=weight.dtype,
             device=weight.device,
-            embed_scale=_scale_of(module),
+            embed_scale=scale,
         )
-        placeholder._template = _without_weight(module)
+        object.__setattr__(placeholder, "_template", without_weight(module))
         # the gradient parameter a pipe on the table will adopt (an optimizer built now holds
         # it); a weight frozen before (requires_grad False) leaves the table frozen, as it was
         empty = torch.empty(0, weight.shape[1], device=weight.device)
@@ -240,7 +151,7 @@ class OffloadedEmbedding(nn.Module):
     def recorded(self) -> dict[str, Any]:
         """What the table's metadata keeps of the module: its ``padding_idx`` (the pipe's
         default) and its row scale (for a pipe in a process with no model: ``embedpipe
-        convert``), as :func:`recorded_scale` reads it back."""
+        convert``), as ``rowscale.recorded_scale`` reads it back."""
         metadata: dict[str, Any] = {}
         if self.padding_idx is not None:
             metadata["padding_idx"] = int(self.padding_idx)
@@ -249,29 +160,38 @@ class OffloadedEmbedding(nn.Module):
             metadata["embed_scale"] = {"value": self.scale_value, "buffer": buffer}
         return metadata
 
-    def finish(self, embeds: torch.Tensor) -> torch.Tensor:
+    def scale_in_model(self, scale: float) -> None:
+        """The model multiplies the looked-up rows by ``scale`` itself (Marian, Pegasus:
+        ``embedpipe/hf/probe.py`` found it): its batches' ``inputs_embeds`` carry it."""
+        self.embed_scale, self.scale_value = scale, float(scale)
+
+    def finish(
+        self, embeds: torch.Tensor, recorded: float | torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``embeds``, the gathered rows, as the replaced module returned them: in the model's
-        dtype, times its scale (NOTE [ Scaled word embeddings ])."""
+        dtype, times its scale, or the table's ``recorded`` one if it knows none."""
         if embeds.dtype != self.dtype:
             embeds = embeds.to(self.dtype)
-        return embeds if self.embed_scale is None else _scaled(embeds, self.embed_scale)
+        scale = self.embed_scale if self.embed_scale is not None else recorded
+        return embeds if scale is None else scaled(embeds, scale)
 
-    def restore(self, weight: torch.Tensor) -> nn.Module:
+    def restore(self, weight: torch.Tensor, recorded: Any = None) -> nn.Module:
         """The replaced module again (an ``nn.Embedding`` for one made by hand), holding
-        ``weight``, on the model's device and in its dtype."""
-        if self._template is None and self.embed_scale is not None:
+        ``weight``, on the model's device and in its dtype, trainable as the table was."""
+        if self._template is None and (self.embed_scale is not None or recorded is not None):
             raise EmbeddingsOffloadedError(
-                f"this model's embedding scaled its rows by {self.scale_value:g} and was "
-                "offloaded by hand: set the weight of a module of the model's own embedding class "
-                "to the table's rows (Table.to_tensor()) instead"
+                "this model's embedding scaled its rows and its placeholder was built by hand: "
+                "set the weight of the model's own embedding module (of its class) to the "
+                "table's rows (Table.to_tensor()) instead"
             )
         if self._template is None:
             module = nn.Embedding(
                 self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx
             )
         else:
-            module = _without_weight(self._template)
-        module.weight = nn.Parameter(weight)
+            module = without_weight(self._template)
+        trains = self.rows.requires_grad if self.rows is not None else True
+        module.weight = nn.Parameter(weight, requires_grad=trains)
         for name, buffer in self._buffers.items():  # as they followed the model's .to()
             if name in module._buffers:
                 module._buffers[name] = buffer

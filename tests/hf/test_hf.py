@@ -374,9 +374,11 @@ def test_an_embedding_doing_more_than_a_lookup_is_refused_before_anything_is_wri
 
 
 @pytest.mark.parametrize("trains", [False, True], ids=["frozen", "training"])
-def test_a_model_rebuilt_on_an_existing_table_keeps_the_scale_with_replacing(tmp_path, trains):
+@pytest.mark.parametrize("by_hand", [False, True], ids=["replacing", "by-hand"])
+def test_a_model_rebuilt_on_an_existing_table_keeps_the_scale(tmp_path, by_hand, trains):
     """A new process builds the model again and puts a placeholder for the existing table in
-    place of its fresh embedding: ``replacing`` takes the scale from it; frozen pipes scale too."""
+    place of its fresh embedding: ``replacing`` takes the scale from it, one built by hand takes
+    the one the table recorded; frozen pipes scale too."""
     model = gemma()
     ids, mask = batch()
     with torch.no_grad():
@@ -384,13 +386,23 @@ def test_a_model_rebuilt_on_an_existing_table_keeps_the_scale_with_replacing(tmp
     path = str(tmp_path / "vocab.zarr")
     offload(model, path).close()
     rebuilt = gemma()
-    rebuilt.set_input_embeddings(OffloadedEmbedding.replacing(rebuilt.get_input_embeddings(), path))
+    rebuilt.set_input_embeddings(
+        OffloadedEmbedding(V, D, path, padding_idx=0)
+        if by_hand
+        else OffloadedEmbedding.replacing(rebuilt.get_input_embeddings(), path)
+    )
     optimizer = embedpipe.optim.Adagrad(**ADAGRAD) if trains else None
     with embedpipe.EmbeddingPipe(path, cache_rows=50, optimizer=optimizer) as pipe:
         loaded = next(iter(pipe.loader([{"input_ids": i} for i in ids], batch_size=len(ids))))
         with torch.no_grad():
             got = rebuilt(inputs_embeds=loaded["inputs_embeds"], attention_mask=mask).logits
-    assert torch.equal(got, expected)
+        assert torch.equal(got, expected)
+        wrong = OffloadedEmbedding(V, D, path, embed_scale=2.0)  # noqa: F841 (alive: in the way)
+        with pytest.raises(EmbeddingsOffloadedError, match="disagree on the scale"):
+            loaded["inputs_embeds"]
+    if by_hand:
+        with pytest.raises(EmbeddingsOffloadedError, match="built by hand"):
+            restore(rebuilt, path)  # a plain nn.Embedding would drop the scale
 
 
 def test_a_scaled_table_converts_to_what_the_models_embedding_returned(tmp_path):
@@ -491,3 +503,141 @@ def test_a_classifier_pooling_the_last_real_token_raises_on_right_padding(tmp_pa
     # inputs_embeds remade by the loop carry no ids: the attention mask tells
     with pytest.raises(EmbeddingsOffloadedError, match="attention mask ends in padding"):
         model(inputs_embeds=torch.zeros(3, 9, D), attention_mask=mask)
+
+
+def marian() -> torch.nn.Module:
+    """Marian multiplies the looked-up rows by embed_scale in its encoder's forward."""
+    torch.manual_seed(0)
+    sizes = dict(encoder_layers=1, decoder_layers=1, encoder_attention_heads=2)
+    config = transformers.MarianConfig(
+        vocab_size=V, d_model=D, **sizes, decoder_attention_heads=2, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, scale_embedding=True, pad_token_id=1, decoder_start_token_id=1,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    return untie(transformers.MarianMTModel(config)).eval()
+
+
+def falcon_h1() -> torch.nn.Module:
+    """FalconH1 multiplies them by embedding_multiplier in its model's forward."""
+    torch.manual_seed(0)
+    config = transformers.FalconH1Config(
+        vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=16, mamba_d_ssm=32,
+        mamba_n_heads=2, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8,
+        embedding_multiplier=3.0, tie_word_embeddings=False, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.FalconH1ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(
+    ("make", "part"),
+    [(marian, lambda m: m.get_encoder()), (falcon_h1, lambda m: m)],
+    ids=["Marian", "FalconH1"],
+)
+def test_a_model_that_scales_the_looked_up_rows_itself_gets_them_scaled(tmp_path, make, part):
+    """The scale is in the model's forward, on the lookup only, not in the embedding module:
+    offload finds it by running the model both ways, and the batches carry it."""
+    model = make()
+    ids, mask = batch()
+    with torch.no_grad():
+        expected = part(model)(input_ids=ids, attention_mask=mask)[0]
+    got = pipe_embeds_through(tmp_path, model, part(model), ids, mask)
+    assert torch.equal(got, expected)
+
+
+def pipe_embeds_through(tmp_path, model, part, ids, mask):
+    table = offload(model, tmp_path / "vocab.zarr")
+    with embedpipe.EmbeddingPipe(table, cache_rows=50) as pipe:
+        samples = [{"input_ids": i} for i in ids]
+        loaded = next(iter(pipe.loader(samples, batch_size=len(samples))))
+        with torch.no_grad():
+            return part(inputs_embeds=loaded["inputs_embeds"], attention_mask=mask)[0]
+
+
+def test_a_model_reading_its_embedding_weight_given_inputs_embeds_is_refused(tmp_path):
+    """Gemma 4's per-layer inputs read the embedding's weight whatever the model is given."""
+    torch.manual_seed(0)
+    config = transformers.Gemma4TextConfig(
+        vocab_size=V, hidden_size=D, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.Gemma4ForCausalLM(config)
+    embeddings, path = model.get_input_embeddings(), tmp_path / "vocab.zarr"
+    with pytest.raises(errors.InvalidRowsError, match="reads its word embeddings even when given"):
+        offload(model, path)
+    assert not path.exists() and model.get_input_embeddings() is embeddings
+    assert model.training  # its mode as it was
+    assert not embedpipe.pipe.placeholder.offloaded_embeddings(str(path))
+
+
+def test_the_scale_is_found_whatever_the_weights_values(tmp_path):
+    """The embedding module is tried on rows of its own, not its weight's: zero rows (or rows
+    not initialised) cannot hide its scale."""
+    model = gemma()
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:32] = 0
+    offload(model, tmp_path / "vocab.zarr").close()
+    assert model.get_input_embeddings().scale_value == pytest.approx(D**0.5)
+
+
+class Adapted(torch.nn.Module):
+    """An adapter around the embedding, as PEFT's: the weight is its base layer's."""
+
+    def __init__(self, base: torch.nn.Embedding) -> None:
+        super().__init__()
+        self.base_layer = base
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    def forward(self, ids):
+        return self.base_layer(ids)
+
+
+def test_an_embedding_inside_an_adapter_is_refused_and_a_frozen_one_restores_frozen(tmp_path):
+    model = bert()
+    model.set_input_embeddings(Adapted(model.get_input_embeddings()))
+    with pytest.raises(errors.InvalidRowsError, match="no weight parameter of its own"):
+        offload(model, tmp_path / "adapted.zarr")
+    assert not (tmp_path / "adapted.zarr").exists()
+
+    model = bert()
+    model.get_input_embeddings().requires_grad_(False)
+    with offload(model, tmp_path / "vocab.zarr") as table:
+        placeholder = model.get_input_embeddings()
+        assert all(m is not placeholder._template for m in model.modules())
+        restore(model, table)
+    assert not model.get_input_embeddings().weight.requires_grad  # frozen, as it was
+
+
+def test_models_on_one_table_that_want_different_dtypes_raise(tmp_path):
+    first, second = bert(), bert()
+    path = str(tmp_path / "vocab.zarr")
+    offload(first, path).close()
+    second.set_input_embeddings(OffloadedEmbedding.replacing(second.get_input_embeddings(), path))
+    second.half()
+    with embedpipe.EmbeddingPipe(path, cache_rows=50) as pipe:
+        loaded = next(iter(pipe.loader([{"input_ids": torch.tensor([2, 3])}], batch_size=1)))
+        with pytest.raises(EmbeddingsOffloadedError, match="different dtypes"):
+            loaded["inputs_embeds"]
+
+
+def test_a_float64_scale_is_recorded_exactly(tmp_path):
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # the scale buffer is made in float64
+    try:
+        model = gemma()
+    finally:
+        torch.set_default_dtype(default)
+    ids, _ = batch()
+    with torch.no_grad():
+        expected = model.get_input_embeddings()(ids)
+    offload(model, tmp_path / "vocab.zarr").close()
+    del model
+    gc.collect()
+    np.save(tmp_path / "shard.npy", ids.numpy())
+    out = tmp_path / "shard.emb.zarr"
+    embedpipe.convert(tmp_path / "vocab.zarr", tmp_path / "shard.npy", out, workers=0)
+    shard = embedpipe.ConvertedShard(out)
+    assert torch.equal(torch.stack([shard[i]["inputs_embeds"] for i in range(3)]), expected)

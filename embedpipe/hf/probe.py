@@ -1,0 +1,168 @@
+"""``offload``'s check that the model computes from ``inputs_embeds`` what it did from ``input_ids``.
+
+NOTE [ The model probed before offload ]
+A model that is given ``inputs_embeds`` skips its word embedding, and whatever its own forward
+did with the looked-up rows or the ids. The embedding module's own scale (Gemma, MBart) is found
+on the module (``pipe/rowscale.py``), and the positions and pooled token some models find in the
+ids are hooked (``pipe/derived.py``); anything else would change what the model computes, without
+an error: Marian, Pegasus, FSMT, FalconH1... multiply the looked-up rows by ``embed_scale`` or
+``embedding_multiplier`` in the model's forward, on the lookup only; Gemma 4's per-layer inputs
+read the embedding's weight even when given ``inputs_embeds``.
+
+So before anything is written, :func:`check` runs the model on a few ids (one row of 4 real
+tokens: no padding, no special ids, non-zero rows), in eval mode and with torch's random state
+kept: once with ``input_ids`` and the embedding in place, once with the placeholder in place and
+``inputs_embeds`` as the pipe would hand them (the embedding module's output for those ids,
+carrying the ids as a batch's do). It tries the outermost module that holds the embedding and
+takes both ``input_ids`` and ``inputs_embeds`` and runs both ways (an encoder-decoder's encoder,
+where the whole model asks for decoder inputs). The outputs must be equal bit for bit:
+
+- equal: the model is offloaded as it is;
+- equal once the rows are multiplied by the module's ``embed_scale`` or ``embedding_multiplier``
+  (a number): the placeholder carries that scale, as it carries an embedding module's own;
+- the placeholder read (``EmbeddingsOffloadedError``), or anything else: ``InvalidRowsError``
+  naming the module, and the model is left as it was.
+
+Where no module can be run with the ids alone (a model that needs other inputs), nothing is
+checked. Non-finite outputs (weights not initialised) cannot be compared and are not.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import EmbeddingsOffloadedError, InvalidRowsError
+from ..pipe.placeholder import OffloadedEmbedding
+from ..pipe.rowscale import devices, same, scaled
+from ..worker.batch import GATHERED_IDS
+
+#: Real tokens in the probe's one row.
+PROBE_TOKENS = 4
+#: Attributes of a module that multiplies the looked-up rows in its own forward.
+MODEL_SCALES = ("embed_scale", "embedding_multiplier")
+
+
+def check(model: nn.Module, embeddings: nn.Module, placeholder: OffloadedEmbedding) -> None:
+    """See the NOTE. Leaves the model's embedding, modes and random state as they were."""
+    ids = _probe_ids(model, embeddings)
+    if ids is None:
+        return
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        with torch.no_grad(), torch.random.fork_rng(devices=devices(ids)):
+            candidates, scales = _candidates(model, embeddings)
+            for module in candidates:
+                if _compare(model, module, embeddings, placeholder, ids, scales):
+                    return
+    finally:
+        model.set_input_embeddings(embeddings)
+        for module, training in modes.items():
+            module.training = training
+
+
+def _compare(
+    model: nn.Module,
+    module: nn.Module,
+    embeddings: nn.Module,
+    placeholder: OffloadedEmbedding,
+    ids: torch.Tensor,
+    scales: list[float],
+) -> bool | None:
+    """True when ``module`` computes the same both ways (maybe with a scale, now on the
+    placeholder); None when it cannot be run both ways; raises when it differs."""
+    model.set_input_embeddings(embeddings)
+    try:
+        expected = _first(module(input_ids=ids))
+        embeds = embeddings(ids)
+    except Exception:
+        return None
+    name = type(module).__name__
+    tries: list[float | None] = [None]
+    if placeholder.embed_scale is None:
+        tries += scales
+    for scale in tries:
+        given = embeds if scale is None else scaled(embeds, scale)
+        setattr(given, GATHERED_IDS, lambda: ids)  # as a batch's: hooks find the ids
+        model.set_input_embeddings(placeholder)
+        try:
+            got = _first(module(inputs_embeds=given))
+        except EmbeddingsOffloadedError as e:
+            raise InvalidRowsError(
+                f"{name} reads its word embeddings even when given inputs_embeds ({e}); it "
+                "cannot run with them offloaded"
+            ) from None
+        except Exception:
+            return None
+        finally:
+            model.set_input_embeddings(embeddings)
+        if expected is None or got is None:
+            return None
+        if not (expected.isfinite().all() and got.isfinite().all()):
+            return None  # weights not initialised: nothing to compare
+        if same(got, expected):
+            if scale is not None:
+                placeholder.scale_in_model(float(scale))
+            return True
+    raise InvalidRowsError(
+        f"{name} computes something else from inputs_embeds than from input_ids (checked on "
+        f"{PROBE_TOKENS} ids): it does more with the ids or the rows than look them up, so "
+        "offloading its word embeddings would change what it computes"
+    )
+
+
+def _probe_ids(model: nn.Module, embeddings: nn.Module) -> torch.Tensor | None:
+    """One row of real token ids: not padding nor a special id, with non-zero rows."""
+    weight = embeddings.weight
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    special = {getattr(embeddings, "padding_idx", None)}
+    special |= {getattr(text, k, None) for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    picked: list[int] = []
+    for start in range(0, weight.shape[0], 256):
+        rows = weight[start : start + 256].detach()
+        for offset in (rows != 0).any(dim=1).nonzero().flatten().tolist():
+            if start + offset not in special:
+                picked.append(start + offset)
+            if len(picked) == PROBE_TOKENS:
+                return torch.tensor([picked], device=weight.device)
+    return None
+
+
+def _candidates(model: nn.Module, embeddings: nn.Module) -> tuple[list[nn.Module], list[float]]:
+    """The modules holding ``embeddings`` that take ``input_ids`` and ``inputs_embeds``,
+    outermost first; and the scales (``MODEL_SCALES``) of every module holding it."""
+    places = [n for n, m in model.named_modules(remove_duplicate=False) if m is embeddings]
+    found, scales = [], []
+    for name, module in model.named_modules():
+        if module is embeddings or not any(p.startswith(f"{name}.") or not name for p in places):
+            continue
+        for attribute in MODEL_SCALES:
+            value = getattr(module, attribute, None)
+            if _number(value) and value not in scales:
+                scales.append(value)
+        try:
+            parameters = inspect.signature(module.forward).parameters
+        except (TypeError, ValueError):
+            continue
+        if {"input_ids", "inputs_embeds"} <= parameters.keys():
+            found.append(module)
+    return found, scales
+
+
+def _first(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    try:
+        first = output[0]
+    except (TypeError, IndexError, KeyError):
+        return None
+    return first if isinstance(first, torch.Tensor) else None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value != 1
