@@ -121,7 +121,9 @@ def _probe_ids(model: nn.Module, embeddings: nn.Module) -> torch.Tensor | None:
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     special = {getattr(embeddings, "padding_idx", None)}
-    special |= {getattr(text, k, None) for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(text, key, None)  # Llama 3's eos_token_id is a list
+        special |= set(value) if isinstance(value, (list, tuple)) else {value}
     picked: list[int] = []
     for start in range(0, weight.shape[0], 256):
         rows = weight[start : start + 256].detach()

@@ -49,6 +49,8 @@ def llama(tie: bool = False) -> torch.nn.Module:
         num_key_value_heads=2,
         max_position_embeddings=64,
         tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=[2, 3],  # as Llama 3's: a list
     )
     return transformers.LlamaForCausalLM(config).eval()
 
