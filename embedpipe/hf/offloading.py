@@ -25,7 +25,7 @@ from ..pipe.placeholder import OffloadedEmbedding, ignore_in_ddp
 from ..pipe.rowscale import recorded_scale
 from ..ranks.shards import process_group
 from ..store.table import Table
-from .probe import check
+from .probe import check, refuse_displacing
 
 #: Copies of the table an optimizer keeps on top of the weight and its gradient.
 OPTIMIZER_COPIES = {"sgd": 0, "adagrad": 1, "adam": 2, "adamw": 2}
@@ -73,6 +73,7 @@ def offload(
     )
     added: list = []
     try:
+        refuse_displacing(model, embeddings, placeholder)  # first: it leaves the model as it was
         _refuse_tied(model, embeddings, placeholder)
         added = watch(model)  # positions, pooled tokens it finds in input_ids (pipe/derived.py)
         check(model, embeddings, placeholder)  # NOTE [ The model probed before offload ]

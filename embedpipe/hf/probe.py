@@ -53,7 +53,8 @@ def check(model: nn.Module, embeddings: nn.Module, placeholder: OffloadedEmbeddi
         return
     modes = {m: m.training for m in model.modules()}
     try:
-        model.eval()
+        for module in modes:  # the flags only: model.eval() also re-kernelizes a HF model
+            module.training = False
         with torch.no_grad(), torch.random.fork_rng(devices=devices(ids)):
             candidates, scales = _candidates(model, embeddings)
             for module in candidates:
@@ -75,12 +76,14 @@ def _compare(
 ) -> bool | None:
     """True when ``module`` computes the same both ways (maybe with a scale, now on the
     placeholder); None when it cannot be run both ways; raises when it differs."""
-    model.set_input_embeddings(embeddings)
-    try:
-        expected = _first(module(input_ids=ids))
+    no_cache = _no_cache(module)
+    try:  # the model as given: its own embedding in place
+        expected = _first(module(input_ids=ids, **no_cache))
         embeds = embeddings(ids)
     except Exception:
         return None
+    if expected is None or not expected.isfinite().all():
+        return None  # weights not initialised: nothing to compare
     name = type(module).__name__
     tries: list[float | None] = [None]
     if placeholder.embed_scale is None:
@@ -90,7 +93,7 @@ def _compare(
         setattr(given, GATHERED_IDS, lambda: ids)  # as a batch's: hooks find the ids
         model.set_input_embeddings(placeholder)
         try:
-            got = _first(module(inputs_embeds=given))
+            got = _first(module(inputs_embeds=given, **no_cache))
         except EmbeddingsOffloadedError as e:
             raise InvalidRowsError(
                 f"{name} reads its word embeddings even when given inputs_embeds ({e}); it "
@@ -100,10 +103,8 @@ def _compare(
             return None
         finally:
             model.set_input_embeddings(embeddings)
-        if expected is None or got is None:
+        if got is None:
             return None
-        if not (expected.isfinite().all() and got.isfinite().all()):
-            return None  # weights not initialised: nothing to compare
         if same(got, expected):
             if scale is not None:
                 placeholder.scale_in_model(float(scale))
@@ -115,8 +116,70 @@ def _compare(
     )
 
 
+def refuse_displacing(
+    model: nn.Module, embeddings: nn.Module, placeholder: OffloadedEmbedding
+) -> None:
+    """``set_input_embeddings`` must put the placeholder only where ``embeddings`` was: a model
+    whose encoder has an embedding of its own (BART with ``tie_word_embeddings=False``) would
+    lose it, and compute with the table's rows instead, without an error. Tried, then every
+    module put back where it was (``set_input_embeddings(embeddings)`` would tie them)."""
+    before = dict(model.named_modules(remove_duplicate=False))
+    model.set_input_embeddings(placeholder)
+    try:
+        after = dict(model.named_modules(remove_duplicate=False))
+    finally:
+        _put_back(model, before)
+    displaced = [
+        n for n, m in after.items() if m is placeholder and not _alias(before.get(n), embeddings)
+    ]
+    if displaced:
+        raise InvalidRowsError(
+            f"{type(model).__name__}.set_input_embeddings also replaces {', '.join(displaced)}, "
+            "an embedding other than get_input_embeddings(): offloading would drop its rows. "
+            "Tie them (one embedding module) or offload a model with one input embedding"
+        )
+
+
+def _alias(module: nn.Module | None, embeddings: nn.Module) -> bool:
+    """``module`` is ``embeddings``, or a module of its class over the same weight (transformers
+    5 ties an encoder's and a decoder's embedding to the shared one by their weight)."""
+    if module is embeddings:
+        return True
+    weight = getattr(module, "weight", None)
+    return (
+        type(module) is type(embeddings)
+        and isinstance(weight, torch.Tensor)
+        and weight.shape == embeddings.weight.shape
+        and weight.data_ptr() == embeddings.weight.data_ptr()
+    )
+
+
+def _put_back(model: nn.Module, before: dict[str, nn.Module]) -> None:
+    for name, module in before.items():
+        parent_name, _, attribute = name.rpartition(".")
+        if not name:
+            continue
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if getattr(parent, attribute, None) is not module:
+            setattr(parent, attribute, module)
+
+
+def _no_cache(module: nn.Module) -> dict[str, Any]:
+    """``use_cache=False`` where the forward takes it: a cache changes nothing here, and some
+    hybrid models' caches fail on a one-row probe."""
+    try:
+        return (
+            {"use_cache": False}
+            if "use_cache" in inspect.signature(module.forward).parameters
+            else {}
+        )
+    except (TypeError, ValueError):
+        return {}
+
+
 def _probe_ids(model: nn.Module, embeddings: nn.Module) -> torch.Tensor | None:
-    """One row of real token ids: not padding nor a special id, with non-zero rows."""
+    """One row of real token ids: not padding nor a special id, with non-zero rows; as long as
+    a multiple of the model's attention window where it has one (Longformer, LED pad to it)."""
     weight = embeddings.weight
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -131,7 +194,11 @@ def _probe_ids(model: nn.Module, embeddings: nn.Module) -> torch.Tensor | None:
             if start + offset not in special:
                 picked.append(start + offset)
             if len(picked) == PROBE_TOKENS:
-                return torch.tensor([picked], device=weight.device)
+                window = getattr(text, "attention_window", None)
+                window = max(window) if isinstance(window, (list, tuple)) else window
+                length = window if isinstance(window, int) and window > 0 else PROBE_TOKENS
+                row = (picked * (length // PROBE_TOKENS + 1))[:length]
+                return torch.tensor([row], device=weight.device)
     return None
 
 

@@ -125,7 +125,7 @@ def _pooled_token_is_last(
     pad = getattr(text, "pad_token_id", None)
     if embeds is None or pad is None:
         return
-    ids = gathered_ids(embeds)
+    ids = gathered_ids(embeds, on_device=False)  # on the host: no wait for the accelerator
     if ids is not None:
         # transformers' own choice: the rightmost position whose id is not pad_token_id
         positions = torch.arange(ids.shape[-1], device=ids.device)

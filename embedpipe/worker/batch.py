@@ -64,19 +64,26 @@ GATHERED_IDS = "_embedpipe_ids"
 
 
 class _Gathered:
-    """The ids a batch's ``inputs_embeds`` were gathered for, made only when asked for."""
+    """The ids a batch's ``inputs_embeds`` were gathered for, made only when asked for: on the
+    host from the host's copies (no wait for the accelerator), then copied to ``device``."""
 
-    def __init__(self, unique_ids: torch.Tensor, inverse: torch.Tensor) -> None:
-        self.unique_ids, self.inverse = unique_ids, inverse
+    def __init__(self, unique_ids: torch.Tensor, inverse: torch.Tensor, device: Any) -> None:
+        self.unique_ids, self.inverse, self.device = unique_ids, inverse, torch.device(device)
 
-    def __call__(self) -> torch.Tensor:
-        return self.unique_ids.to(self.inverse.device)[self.inverse]
+    def __call__(self, on_device: bool = True) -> torch.Tensor:
+        ids = self.unique_ids[self.inverse]
+        if not on_device or self.device.type == "cpu":
+            return ids
+        if self.device.type == "cuda":  # from pinned memory: the copy does not wait either
+            ids = ids.pin_memory()
+        return ids.to(self.device, non_blocking=True)
 
 
-def gathered_ids(embeds: Any) -> torch.Tensor | None:
-    """The (B, L) ids ``embeds`` were gathered for, if a batch of a pipe made them."""
+def gathered_ids(embeds: Any, on_device: bool = True) -> torch.Tensor | None:
+    """The (B, L) ids ``embeds`` were gathered for, if a batch of a pipe made them: on their
+    device, or on the host (``on_device=False``)."""
     gathered = getattr(embeds, GATHERED_IDS, None) if isinstance(embeds, torch.Tensor) else None
-    return None if gathered is None else gathered()
+    return None if gathered is None else gathered(on_device)
 
 
 class Owner(Protocol):
@@ -187,6 +194,8 @@ class EmbeddedBatch(Mapping[str, Any]):
         generation: int,
     ) -> None:
         self._unique_ids, self._inverse, self._rows = unique_ids, inverse, rows
+        if inverse.device.type == "cpu":  # the host's copy, for the ids an embeds carries
+            self._inverse_host = inverse
         self._owner = owner
         self.step = step  # the rows hold every update of the table's steps up to this one
         self.tick = tick  # the same moment on the owner's cache clock (never goes back)
@@ -348,6 +357,7 @@ class EmbeddedBatch(Mapping[str, Any]):
             tick,
             generation,
         )
+        self._inverse_host = torch.from_numpy(inverse)
         self._ids_seen = seen
 
     def _refreshed(
@@ -379,7 +389,8 @@ class EmbeddedBatch(Mapping[str, Any]):
         # a model cast after offload, an embedding that scales its rows (Gemma, MBart...)
         if self._owner is not None:
             embeds = self._owner.finish_embeds(embeds)
-        setattr(embeds, GATHERED_IDS, _Gathered(self._unique_ids, self._inverse))
+        gathered = _Gathered(self._unique_ids, self._inverse_host, self._inverse.device)
+        setattr(embeds, GATHERED_IDS, gathered)
         return embeds
 
     def __contains__(self, key: object) -> bool:
@@ -408,6 +419,7 @@ class EmbeddedBatch(Mapping[str, Any]):
             generation=self.generation,
         )
         moved.fetched = self.fetched
+        moved._inverse_host = self._inverse_host
         if self._ids_seen is not None:
             moved._watch_ids(self._ids_seen[0])
         return moved

@@ -643,3 +643,32 @@ def test_a_float64_scale_is_recorded_exactly(tmp_path):
     embedpipe.convert(tmp_path / "vocab.zarr", tmp_path / "shard.npy", out, workers=0)
     shard = embedpipe.ConvertedShard(out)
     assert torch.equal(torch.stack([shard[i]["inputs_embeds"] for i in range(3)]), expected)
+
+
+def test_a_model_whose_encoder_has_an_embedding_of_its_own_is_refused(tmp_path):
+    """BART with tie_word_embeddings=False: set_input_embeddings would replace the encoder's own
+    embedding too, and the encoder would read the shared table's rows instead, without an error."""
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=V, d_model=D, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.BartModel(config)
+    assert model.encoder.embed_tokens is not model.shared
+    with pytest.raises(errors.InvalidRowsError, match="also replaces encoder.embed_tokens"):
+        offload(model, tmp_path / "vocab.zarr")
+    assert not (tmp_path / "vocab.zarr").exists() and model.encoder.embed_tokens is not model.shared
+
+
+def test_a_model_that_pads_to_its_attention_window_is_probed_at_that_length(tmp_path):
+    """Longformer pads its input to a multiple of attention_window (512) by embedding padding
+    ids: a 4-token probe would read the offloaded embedding; one of 512 does not."""
+    torch.manual_seed(0)
+    config = transformers.LongformerConfig(
+        vocab_size=V, hidden_size=D, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=600,
+    )  # fmt: skip
+    model = transformers.LongformerModel(config).eval()
+    offload(model, tmp_path / "vocab.zarr").close()
+    assert isinstance(model.get_input_embeddings(), OffloadedEmbedding)
