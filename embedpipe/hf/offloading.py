@@ -25,7 +25,7 @@ from ..pipe.placeholder import OffloadedEmbedding, ignore_in_ddp
 from ..pipe.rowscale import recorded_scale
 from ..ranks.shards import process_group
 from ..store.table import Table
-from .probe import check, refuse_displacing
+from .probe import check, refuse_displacing, swapped_in
 
 #: Copies of the table an optimizer keeps on top of the weight and its gradient.
 OPTIMIZER_COPIES = {"sgd": 0, "adagrad": 1, "adam": 2, "adamw": 2}
@@ -275,8 +275,5 @@ def _tied_names(
     Tried on the model itself and undone, so that models whose ``set_input_embeddings`` also
     replaces aliases of the module (encoder and decoder sharing one table) are not refused.
     """
-    model.set_input_embeddings(placeholder)
-    try:
+    with swapped_in(model, placeholder):
         return _names(model, embeddings.weight)
-    finally:
-        model.set_input_embeddings(embeddings)

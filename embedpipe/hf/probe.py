@@ -30,12 +30,15 @@ checked. Non-finite outputs (weights not initialised) cannot be compared and are
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import EmbeddingsOffloadedError, InvalidRowsError
+from ..pipe.derived import text_config
 from ..pipe.placeholder import OffloadedEmbedding
 from ..pipe.rowscale import devices, same, scaled
 from ..worker.batch import GATHERED_IDS
@@ -61,7 +64,6 @@ def check(model: nn.Module, embeddings: nn.Module, placeholder: OffloadedEmbeddi
                 if _compare(model, module, embeddings, placeholder, ids, scales):
                     return
     finally:
-        model.set_input_embeddings(embeddings)
         for module, training in modes.items():
             module.training = training
 
@@ -90,10 +92,10 @@ def _compare(
         tries += scales
     for scale in tries:
         given = embeds if scale is None else scaled(embeds, scale)
-        setattr(given, GATHERED_IDS, lambda: ids)  # as a batch's: hooks find the ids
-        model.set_input_embeddings(placeholder)
+        setattr(given, GATHERED_IDS, lambda on_device=True: ids)  # as a batch's: for the hooks
         try:
-            got = _first(module(inputs_embeds=given, **no_cache))
+            with swapped_in(model, placeholder):
+                got = _first(module(inputs_embeds=given, **no_cache))
         except EmbeddingsOffloadedError as e:
             raise InvalidRowsError(
                 f"{name} reads its word embeddings even when given inputs_embeds ({e}); it "
@@ -101,8 +103,6 @@ def _compare(
             ) from None
         except Exception:
             return None
-        finally:
-            model.set_input_embeddings(embeddings)
         if got is None:
             return None
         if same(got, expected):
@@ -116,19 +116,34 @@ def _compare(
     )
 
 
+@contextmanager
+def swapped_in(model: nn.Module, placeholder: OffloadedEmbedding) -> Iterator[dict[str, nn.Module]]:
+    """``placeholder`` put in by ``model.set_input_embeddings`` for the block, which gets the
+    modules by name as they are then; afterwards every module is put back where it was
+    (``set_input_embeddings`` of the old embedding would also tie the modules it replaced)."""
+    before = dict(model.named_modules(remove_duplicate=False))
+    model.set_input_embeddings(placeholder)
+    try:
+        yield dict(model.named_modules(remove_duplicate=False))
+    finally:
+        for name, module in before.items():
+            if not name:
+                continue
+            parent_name, _, attribute = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            if getattr(parent, attribute, None) is not module:
+                setattr(parent, attribute, module)
+
+
 def refuse_displacing(
     model: nn.Module, embeddings: nn.Module, placeholder: OffloadedEmbedding
 ) -> None:
     """``set_input_embeddings`` must put the placeholder only where ``embeddings`` was: a model
     whose encoder has an embedding of its own (BART with ``tie_word_embeddings=False``) would
-    lose it, and compute with the table's rows instead, without an error. Tried, then every
-    module put back where it was (``set_input_embeddings(embeddings)`` would tie them)."""
+    lose it, and compute with the table's rows instead, without an error."""
     before = dict(model.named_modules(remove_duplicate=False))
-    model.set_input_embeddings(placeholder)
-    try:
-        after = dict(model.named_modules(remove_duplicate=False))
-    finally:
-        _put_back(model, before)
+    with swapped_in(model, placeholder) as after:
+        pass
     displaced = [
         n for n, m in after.items() if m is placeholder and not _alias(before.get(n), embeddings)
     ]
@@ -154,16 +169,6 @@ def _alias(module: nn.Module | None, embeddings: nn.Module) -> bool:
     )
 
 
-def _put_back(model: nn.Module, before: dict[str, nn.Module]) -> None:
-    for name, module in before.items():
-        parent_name, _, attribute = name.rpartition(".")
-        if not name:
-            continue
-        parent = model.get_submodule(parent_name) if parent_name else model
-        if getattr(parent, attribute, None) is not module:
-            setattr(parent, attribute, module)
-
-
 def _no_cache(module: nn.Module) -> dict[str, Any]:
     """``use_cache=False`` where the forward takes it: a cache changes nothing here, and some
     hybrid models' caches fail on a one-row probe."""
@@ -181,8 +186,7 @@ def _probe_ids(model: nn.Module, embeddings: nn.Module) -> torch.Tensor | None:
     """One row of real token ids: not padding nor a special id, with non-zero rows; as long as
     a multiple of the model's attention window where it has one (Longformer, LED pad to it)."""
     weight = embeddings.weight
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(model)
     special = {getattr(embeddings, "padding_idx", None)}
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         value = getattr(text, key, None)  # Llama 3's eos_token_id is a list

@@ -81,6 +81,12 @@ def unwatch(added: list[tuple[nn.Module, Any]]) -> None:
         setattr(module, _WATCHED, False)
 
 
+def text_config(model: nn.Module) -> Any:
+    """The configuration of ``model``'s text part (a multimodal model's ``text_config``)."""
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _forward_source(module: nn.Module) -> str | None:
     forward = type(module).forward
     if forward is nn.Module.forward or getattr(forward, "__module__", "").startswith("torch."):
@@ -120,9 +126,7 @@ def _pooled_token_is_last(
     if bound is None or bound.arguments.get("input_ids") is not None:
         return
     embeds = bound.arguments.get("inputs_embeds")
-    config = getattr(module, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    pad = getattr(text, "pad_token_id", None)
+    pad = getattr(text_config(module), "pad_token_id", None)
     if embeds is None or pad is None:
         return
     ids = gathered_ids(embeds, on_device=False)  # on the host: no wait for the accelerator

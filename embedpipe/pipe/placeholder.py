@@ -57,7 +57,9 @@ def finish_embeds(
         return embeds if recorded is None else scaled(embeds, recorded)
     table = None if recorded is None else float(recorded)
     scales = {table if m.scale_value is None else m.scale_value for m in modules}
-    if len(scales | ({table} if table is not None else set())) > 1:
+    if table is not None:
+        scales.add(table)
+    if len(scales) > 1:
         raise EmbeddingsOffloadedError(
             f"the models offloaded to {path} (or the table, which records {table}) disagree on "
             f"the scale of its rows ({sorted(map(str, scales))}): a model whose embedding "
@@ -78,7 +80,7 @@ class OffloadedEmbedding(nn.Module):
     Keeps ``num_embeddings``, ``embedding_dim``, ``padding_idx`` and the table's ``path``, plus
     the ``dtype`` and ``device`` the model expects ``inputs_embeds`` in (they follow
     ``model.to(...)``). :func:`offload` puts one in a model; a model rebuilt in a new process
-    (to resume training on a table that exists) takes one by hand:
+    (to resume training on a table that exists) takes one with :meth:`replacing`, or by hand:
     ``model.set_input_embeddings(OffloadedEmbedding(V, D, path, padding_idx=...))``, made before
     the pipe, which then attaches its parameter to it. Calling it, reading ``.weight`` or
     ``copy.deepcopy`` (an EMA, a best-model copy) raises :class:`EmbeddingsOffloadedError`.

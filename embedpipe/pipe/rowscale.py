@@ -119,12 +119,12 @@ def scaled(embeds: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
 
 
 def without_weight(module: nn.Module) -> nn.Module:
-    """A shallow copy of ``module`` without its weight (and hooks of its own): what
-    ``OffloadedEmbedding.restore`` puts the rows back into, a module of the model's class."""
+    """A shallow copy of ``module`` without its weight (its only parameter: :func:`scale_of`),
+    with dicts of buffers and hooks of its own: what ``OffloadedEmbedding.restore`` puts the
+    rows back into, a module of the model's class."""
     template = copy.copy(module)
-    template._parameters = {k: v for k, v in module._parameters.items() if k != "weight"}
+    template._parameters, template._modules = {}, {}
     template._buffers = dict(module._buffers)
-    template._modules = dict(module._modules)
     for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks"):
         if hasattr(module, hooks):
             setattr(template, hooks, type(getattr(module, hooks))(getattr(module, hooks)))

@@ -194,8 +194,9 @@ class EmbeddedBatch(Mapping[str, Any]):
         generation: int,
     ) -> None:
         self._unique_ids, self._inverse, self._rows = unique_ids, inverse, rows
-        if inverse.device.type == "cpu":  # the host's copy, for the ids an embeds carries
-            self._inverse_host = inverse
+        #: the host's copy of ``inverse``, for the ids an embeds carries (set by ``to()`` and
+        #: ``_relooked`` when ``inverse`` is on an accelerator)
+        self._inverse_host = inverse if inverse.device.type == "cpu" else None
         self._owner = owner
         self.step = step  # the rows hold every update of the table's steps up to this one
         self.tick = tick  # the same moment on the owner's cache clock (never goes back)
