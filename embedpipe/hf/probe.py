@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import EmbeddingsOffloadedError, InvalidRowsError
+from ..pipe.callhooks import hooks_set_aside
 from ..pipe.derived import text_config
 from ..pipe.placeholder import OffloadedEmbedding
 from ..pipe.rowscale import devices, same, scaled
@@ -58,7 +59,12 @@ def check(model: nn.Module, embeddings: nn.Module, placeholder: OffloadedEmbeddi
     try:
         for module in modes:  # the flags only: model.eval() also re-kernelizes a HF model
             module.training = False
-        with torch.no_grad(), torch.random.fork_rng(devices=devices(ids)):
+        # the embedding's hooks run on the pipe's rows later, not on the probe's
+        with (
+            torch.no_grad(),
+            torch.random.fork_rng(devices=devices(ids)),
+            hooks_set_aside(embeddings),
+        ):
             candidates, scales = _candidates(model, embeddings)
             for module in candidates:
                 if _compare(model, module, embeddings, placeholder, ids, scales):

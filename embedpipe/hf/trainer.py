@@ -89,12 +89,6 @@ class Trainer(transformers.Trainer):
         if kwargs.get("data_collator") is None and kwargs.get("processing_class") is None:
             kwargs["data_collator"] = PadCollator(pipe.padding_idx, ids_key, hf_labels=True)
         arguments = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if getattr(arguments, "neftune_noise_alpha", None) is not None:
-            raise ValueError(
-                "neftune_noise_alpha: NEFTune adds noise in the word embedding module's forward, "
-                "which an offloaded table never runs; train without it (or add the noise to "
-                "inputs_embeds in compute_loss)"
-            )
         config = getattr(arguments, "accelerator_config", None)
         if config is not None and getattr(config, "dispatch_batches", None) is None:
             # one process: Accelerate would otherwise rebuild the batches of an iterable dataset

@@ -124,7 +124,7 @@ class Owner:
         self.stream: Stream | None = None
         #: ``inputs_embeds`` as the models offloaded to this table take them (their dtype, their
         #: embedding's scale: ``placeholder.finish_embeds``); the pipe hands it down.
-        self.finish_embeds: Callable[[torch.Tensor], torch.Tensor] = lambda embeds: embeds
+        self.finish_embeds: Callable[..., torch.Tensor] = lambda embeds, ids: embeds
         self.blind = False  # foresight kept missing: no more streams (``look_blind``)
 
     # ------------------------------------------------------------------------- training loop

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import EmbeddingsOffloadedError
+from .callhooks import forward_hooks, has_hooks, take_hooks
 from .rowscale import scale_of, scaled, without_weight
 
 #: The offloaded embedding modules of this process, by table path, oldest first: a pipe on that
@@ -44,14 +45,19 @@ def offloaded_embeddings(path: str) -> list[OffloadedEmbedding]:
 
 
 def finish_embeds(
-    path: str, recorded: float | torch.Tensor | None, embeds: torch.Tensor
+    path: str,
+    recorded: float | torch.Tensor | None,
+    embeds: torch.Tensor,
+    ids: Callable[[], torch.Tensor],
 ) -> torch.Tensor:
-    """``embeds`` gathered from the table at ``path`` as the models offloaded to it take them
-    (:meth:`OffloadedEmbedding.finish`): in their dtype (a model cast after ``offload``:
-    ``model.half()``), times their scale (NOTE [ Scaled word embeddings ] in ``rowscale.py``).
-    A placeholder that knows no scale (one built by hand) takes the one the table ``recorded``
-    at ``offload``, as does a process with no model (``embedpipe convert``). Models on one table
-    that disagree on either raise: a batch cannot tell which one will read it."""
+    """``embeds`` gathered from the table at ``path`` for the batch's ``ids()`` as the models
+    offloaded to it take them (:meth:`OffloadedEmbedding.finish`): in their dtype (a model cast
+    after ``offload``: ``model.half()``), times their scale (NOTE [ Scaled word embeddings ] in
+    ``rowscale.py``), through the hooks on their embedding (NOTE [ Hooks on the offloaded
+    embedding ] in ``callhooks.py``). A placeholder that knows no scale (one built by hand) takes
+    the one the table ``recorded`` at ``offload``, as does a process with no model (``embedpipe
+    convert``). Models on one table that disagree on any of these raise: a batch cannot tell
+    which one will read it."""
     modules = offloaded_embeddings(path)
     if not modules:
         return embeds if recorded is None else scaled(embeds, recorded)
@@ -71,7 +77,14 @@ def finish_embeds(
             f"the models offloaded to {path} take inputs_embeds in different dtypes "
             f"({', '.join(sorted(map(str, dtypes)))}); cast them alike, or delete the old one"
         )
-    return modules[0].finish(embeds, recorded)
+    if len(modules) > 1 and any(has_hooks(m) for m in modules):
+        raise EmbeddingsOffloadedError(
+            f"{len(modules)} models are offloaded to {path} and hooks are registered on the "
+            "word embedding of one of them (NEFTune, enable_input_require_grads): a batch "
+            "cannot tell which model will read it; give each model a table of its own, or "
+            "delete the models not in use"
+        )
+    return modules[0].finish(embeds, recorded, ids)
 
 
 class OffloadedEmbedding(nn.Module):
@@ -144,6 +157,7 @@ class OffloadedEmbedding(nn.Module):
             embed_scale=scale,
         )
         object.__setattr__(placeholder, "_template", without_weight(module))
+        take_hooks(placeholder, module)  # they run on the batches' rows (callhooks.py)
         # the gradient parameter a pipe on the table will adopt (an optimizer built now holds
         # it); a weight frozen before (requires_grad False) leaves the table frozen, as it was
         empty = torch.empty(0, weight.shape[1], device=weight.device)
@@ -168,14 +182,19 @@ class OffloadedEmbedding(nn.Module):
         self.embed_scale, self.scale_value = scale, float(scale)
 
     def finish(
-        self, embeds: torch.Tensor, recorded: float | torch.Tensor | None = None
+        self,
+        embeds: torch.Tensor,
+        recorded: float | torch.Tensor | None,
+        ids: Callable[[], torch.Tensor],
     ) -> torch.Tensor:
-        """``embeds``, the gathered rows, as the replaced module returned them: in the model's
-        dtype, times its scale, or the table's ``recorded`` one if it knows none."""
+        """``embeds``, the rows gathered for the batch's ``ids()``, as the replaced module's call
+        returned them: in the model's dtype, times its scale (or the table's ``recorded`` one if
+        it knows none), through the hooks registered on it or on the replaced module."""
         if embeds.dtype != self.dtype:
             embeds = embeds.to(self.dtype)
         scale = self.embed_scale if self.embed_scale is not None else recorded
-        return embeds if scale is None else scaled(embeds, scale)
+        embeds = embeds if scale is None else scaled(embeds, scale)
+        return forward_hooks(self, embeds, ids)
 
     def restore(self, weight: torch.Tensor, recorded: Any = None) -> nn.Module:
         """The replaced module again (an ``nn.Embedding`` for one made by hand), holding
@@ -194,6 +213,7 @@ class OffloadedEmbedding(nn.Module):
             module = without_weight(self._template)
         trains = self.rows.requires_grad if self.rows is not None else True
         module.weight = nn.Parameter(weight, requires_grad=trains)
+        take_hooks(module, self)  # those it had and those registered since (NEFTune...)
         for name, buffer in self._buffers.items():  # as they followed the model's .to()
             if name in module._buffers:
                 module._buffers[name] = buffer

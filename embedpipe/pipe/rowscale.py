@@ -14,8 +14,10 @@ module, in train and in eval mode (torch's random state saved and put back), wit
 weight (finite, non-zero, distinct values: the module's own may be zeros, or not initialised)
 and requires its output to be exactly those rows, or those rows times ``embed_scale``. Anything
 else is refused before anything is written: ``max_norm`` or ``scale_grad_by_freq``, a forward
-that normalises or drops out, a forward hook that changes the output (NEFTune's noise), a module
-holding more than its weight (an adapter, a parametrization). A batch's ``inputs_embeds`` are then
+that normalises or drops out, a module holding more than its weight (an adapter, a
+parametrization). Its hooks are set aside for the check: they go to the offloaded embedding,
+which runs them on the pipe's rows (NOTE [ Hooks on the offloaded embedding ] in
+``callhooks.py``). A batch's ``inputs_embeds`` are then
 ``F.embedding(inverse, rows)`` in the model's dtype times the scale in the module's own form
 (:func:`scaled`), so they equal the module's output bit for bit and the gradient reaching the
 rows is the scaled one, as the embedding's weight would get. The table records the scale
@@ -34,6 +36,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..errors import InvalidRowsError
+from .callhooks import hooks_set_aside
 
 #: Ids tried when checking what an embedding module computes.
 _PROBE_IDS = 16
@@ -75,7 +78,12 @@ def scale_of(module: nn.Module) -> float | torch.Tensor | None:
     mode = module.training
     try:
         # fork_rng: a module that draws (dropout) leaves the program's draws as they were
-        with torch.no_grad(), torch.random.fork_rng(devices=devices(weight)):
+        # the module's own computation: its hooks run on the pipe's rows (callhooks.py)
+        with (
+            torch.no_grad(),
+            torch.random.fork_rng(devices=devices(weight)),
+            hooks_set_aside(module),
+        ):
             outputs = []
             for training in (True, False):
                 module.train(training)
@@ -97,7 +105,7 @@ def scale_of(module: nn.Module) -> float | torch.Tensor | None:
         + (f" times its embed_scale ({float(scale):g})" if scale is not None else "")
         + ": a model called with inputs_embeds skips that module, so offloading it would change "
         "what the model computes. embedpipe offloads nn.Embedding and embeddings that multiply "
-        "their rows by embed_scale; remove forward hooks or dropout from the embedding module"
+        "their rows by embed_scale; remove dropout or normalisation from the embedding module"
     )
 
 
@@ -120,14 +128,11 @@ def scaled(embeds: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
 
 def without_weight(module: nn.Module) -> nn.Module:
     """A shallow copy of ``module`` without its weight (its only parameter: :func:`scale_of`),
-    with dicts of buffers and hooks of its own: what ``OffloadedEmbedding.restore`` puts the
-    rows back into, a module of the model's class."""
+    with a dict of buffers of its own: what ``OffloadedEmbedding.restore`` puts the rows back
+    into, a module of the model's class (and gives the placeholder's hooks)."""
     template = copy.copy(module)
     template._parameters, template._modules = {}, {}
     template._buffers = dict(module._buffers)
-    for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks"):
-        if hasattr(module, hooks):
-            setattr(template, hooks, type(getattr(module, hooks))(getattr(module, hooks)))
     return template
 
 

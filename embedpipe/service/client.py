@@ -110,7 +110,7 @@ class RemoteOwner:
         self._claimed = False  # a batch was claimed
         self._owed = 0  # replies the owner process owes to requests a signal interrupted
         self._last_stats: dict[str, int] | None = None  # as the owner closed
-        self.finish_embeds: Callable[[torch.Tensor], torch.Tensor] = lambda embeds: embeds
+        self.finish_embeds: Callable[..., torch.Tensor] = lambda embeds, ids: embeds
         self._lock = threading.Lock()
         self._rings: weakref.WeakKeyDictionary[BatchRing, int] = weakref.WeakKeyDictionary()
         self._dropped: list[int] = []

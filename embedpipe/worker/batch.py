@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -103,8 +103,9 @@ class Owner(Protocol):
     def relookup(self, batch: EmbeddedBatch, ids: torch.Tensor) -> None:
         """The batch's ids were edited in place: gather the rows of the new ones."""
 
-    def finish_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
-        """The gathered rows as the model takes them: in its dtype, times its embedding's scale."""
+    def finish_embeds(self, embeds: torch.Tensor, ids: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The rows gathered for ``ids()`` as the model takes them: in its dtype, times its
+        embedding's scale, through the hooks on its embedding."""
 
 
 class Source(Protocol):
@@ -387,10 +388,11 @@ class EmbeddedBatch(Mapping[str, Any]):
             return self.fields[key]
         rows = self.rows  # first: follows an in-place edit of the ids (the NOTE)
         embeds = F.embedding(self._inverse, rows)  # (U, D) -> (B, L, D), a new graph each read
-        # a model cast after offload, an embedding that scales its rows (Gemma, MBart...)
-        if self._owner is not None:
-            embeds = self._owner.finish_embeds(embeds)
         gathered = _Gathered(self._unique_ids, self._inverse_host, self._inverse.device)
+        # a model cast after offload, an embedding that scales its rows (Gemma, MBart...),
+        # hooks on the model's embedding (NEFTune...)
+        if self._owner is not None:
+            embeds = self._owner.finish_embeds(embeds, gathered)
         setattr(embeds, GATHERED_IDS, gathered)
         return embeds
 

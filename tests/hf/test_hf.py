@@ -158,7 +158,8 @@ def test_inputs_embeds_after_offload_equal_input_ids_before(tmp_path, make):
         offload(model, tmp_path / "vocab.zarr").close()
         # inputs_embeds: (B, L, D), the rows the loader would gather, as the pipe finishes them
         got = model(
-            inputs_embeds=model.get_input_embeddings().finish(weight[ids]), attention_mask=mask
+            inputs_embeds=model.get_input_embeddings().finish(weight[ids], None, lambda: ids),
+            attention_mask=mask,
         )
     assert torch.equal(got[0], expected)
 
@@ -334,31 +335,24 @@ class DroppedOut(torch.nn.Embedding):
         return torch.nn.functional.dropout(super().forward(ids), 0.1, self.training)
 
 
-def noisy(model) -> None:
-    """NEFTune-style noise from a forward hook, in training only."""
-    model.get_input_embeddings().register_forward_hook(
-        lambda module, args, out: out + torch.rand_like(out) if module.training else out
-    )
-
-
 @pytest.mark.parametrize(
     ("change", "match"),
     [
         (lambda m: setattr(m.get_input_embeddings(), "max_norm", 1.0), "max_norm"),
         (lambda m: setattr(m.get_input_embeddings(), "scale_grad_by_freq", True), "max_norm"),
-        (noisy, "other than the rows"),
         (
             lambda m: setattr(m.get_input_embeddings(), "__class__", DroppedOut),
             "other than the rows",
         ),
         (
             lambda m: (
-                setattr(m.get_input_embeddings(), "embed_scale", 2.0) or noisy(m)
+                setattr(m.get_input_embeddings(), "embed_scale", 2.0)
+                or setattr(m.get_input_embeddings(), "__class__", DroppedOut)
             ),  # a scale, and something else too
             r"other than the rows it looks up times its embed_scale \(2\)",
         ),
     ],
-    ids=["max_norm", "scale_grad_by_freq", "forward-hook", "dropout", "scale-and-hook"],
+    ids=["max_norm", "scale_grad_by_freq", "dropout", "scale-and-dropout"],
 )
 def test_an_embedding_doing_more_than_a_lookup_is_refused_before_anything_is_written(
     tmp_path, change, match

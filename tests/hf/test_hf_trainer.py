@@ -263,3 +263,22 @@ def test_evaluation_every_few_steps_inside_training_changes_nothing(tmp_path):
         pipe.flush()
         assert torch.equal(pipe.table.to_tensor(), reference.model.get_input_embeddings().weight)
         assert max_diff(dense_state(trainer.model), dense_state(reference.model)) == 0.0
+
+
+def test_neftune_noise_reaches_the_offloaded_embeddings(tmp_path):
+    """TrainingArguments(neftune_noise_alpha=...): the Trainer hooks the model's input embedding
+    to add noise to its output while training. The model never calls that module (it is given
+    inputs_embeds), so the pipe runs the hook on each batch's rows: the table and dense weights
+    as nn.Embedding's with the same noise, bit for bit."""
+    data = samples(36)
+    noise = dict(neftune_noise_alpha=5.0)
+    reference = ReferenceTrainer(
+        model=bert(), args=arguments(tmp_path / "reference", **noise), train_dataset=data
+    )
+    reference.train()
+    trainer, pipe = train_embedpipe(tmp_path, data, **noise)
+    with pipe:
+        pipe.flush()
+        assert torch.equal(pipe.table.to_tensor(), reference.model.get_input_embeddings().weight)
+        assert max_diff(dense_state(trainer.model), dense_state(reference.model)) == 0.0
+        assert not trainer.model.get_input_embeddings()._forward_hooks  # taken off after train()

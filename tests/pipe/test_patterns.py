@@ -378,20 +378,6 @@ def test_rows_refreshed_under_inference_mode_can_be_trained_on(tmp_path):
         optimizer.step()
 
 
-def test_hf_trainer_refuses_neftune(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    from ..frameworks import bert
-    from ..frameworks import offloaded as bert_offloaded
-
-    model = bert()
-    with bert_offloaded(model, tmp_path / "b.zarr") as pipe:
-        args = transformers.TrainingArguments(
-            output_dir=str(tmp_path / "o"), neftune_noise_alpha=5.0, report_to=[], use_cpu=True
-        )
-        with pytest.raises(ValueError, match="NEFTune"):
-            embedpipe.hf.Trainer(model=model, args=args, train_dataset=samples(4), pipe=pipe)
-
-
 def test_hf_trainer_trains_on_an_iterable_dataset(tmp_path):
     pytest.importorskip("transformers")
     from ..frameworks import samples as bert_samples
@@ -671,3 +657,91 @@ def test_a_copy_of_an_offloaded_model_is_refused_and_one_made_before_offload_tra
         assert not torch.equal(table(pipe), teacher.emb.weight.detach())
     assert torch.equal(teacher.emb.weight, Toy().emb.weight)  # the teacher's rows never moved
     assert isinstance(model.get_input_embeddings(), embedpipe.hf.OffloadedEmbedding)
+
+
+def noise(module, args, output):
+    """NEFTune's hook, in short: noise from torch's generator, in training mode only."""
+    return output + torch.rand_like(output) * 0.1 if module.training else output
+
+
+@pytest.mark.parametrize("registered", ["before offload", "after offload"])
+def test_hooks_on_the_word_embedding_run_on_the_batches_rows(tmp_path, registered):
+    """A forward hook on model.get_input_embeddings() (NEFTune, enable_input_require_grads) runs
+    on each batch's inputs_embeds, with the batch's ids, as nn.Embedding's call runs it; the
+    handle taken before offload still removes it."""
+    seen = {True: [], False: []}
+
+    def hook_all(model, offloaded):
+        a = model.get_input_embeddings().register_forward_hook(noise)
+        b = model.get_input_embeddings().register_forward_hook(
+            lambda m, args, kwargs, out: seen[offloaded].append(args[0].clone()), with_kwargs=True
+        )
+        return a, b
+
+    reference = Toy()
+    dense, adagrad = reference_optimizer(reference)
+    handles = hook_all(reference, False)
+    batches = list(torch.utils.data.DataLoader(samples(16), batch_size=4))
+    for n, batch in enumerate(batches):
+        if n == 2:
+            handles[0].remove()
+        loss(reference, batch, False).backward()
+        step_both(dense, adagrad)
+
+    model = Toy()
+    handles = hook_all(model, True) if registered == "before offload" else None
+    with offloaded(tmp_path, model) as pipe:
+        handles = handles or hook_all(model, True)
+        optimizer = one_optimizer(model, pipe)
+        for n, batch in enumerate(pipe.loader(samples(16), batch_size=4)):
+            if n == 2:
+                handles[0].remove()
+            loss(model, batch, True).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert torch.equal(table(pipe), reference.emb.weight)
+    assert torch.equal(model.lin.weight, reference.lin.weight)
+    assert len(seen[True]) == 4 and all(map(torch.equal, seen[True], seen[False]))
+
+
+def test_hooks_that_cannot_run_on_the_batches_rows_raise(tmp_path):
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        embedding = model.get_input_embeddings()
+        batch = next(iter(pipe.loader(samples(4), batch_size=4)))
+        handle = embedding.register_forward_pre_hook(lambda m, args: (args[0] % 3,))
+        with pytest.raises(
+            embedpipe.errors.EmbeddingsOffloadedError, match="changes the module's input"
+        ):
+            batch["inputs_embeds"]
+        handle.remove()
+        handle = embedding.register_full_backward_hook(lambda m, gin, gout: None)
+        with pytest.raises(embedpipe.errors.EmbeddingsOffloadedError, match="backward hook"):
+            batch["inputs_embeds"]
+        handle.remove()
+        embedding.register_forward_pre_hook(lambda m, args: None)  # changes nothing: runs
+        assert torch.equal(batch["inputs_embeds"], table(pipe)[batch["input_ids"]])
+        # a second model on the table (alive): which one reads the batch is unknown
+        other = embedpipe.hf.OffloadedEmbedding.replacing(Toy().emb, str(tmp_path / "t.zarr"))
+        with pytest.raises(
+            embedpipe.errors.EmbeddingsOffloadedError, match="cannot tell which model"
+        ):
+            batch["inputs_embeds"]
+        del other
+
+
+def test_restore_gives_the_hooks_back(tmp_path):
+    model = Toy()
+    calls = []
+    model.emb.register_forward_hook(lambda m, args, out: calls.append(1))
+    with offloaded(tmp_path, model) as pipe:
+        model.get_input_embeddings().register_forward_hook(lambda m, args, out: calls.append(2))
+        embedpipe.hf.restore(model, pipe)
+    model(input_ids=torch.tensor([[1, 2]]))
+    assert calls == [1, 2]
+    # a placeholder built by hand (a model rebuilt to resume) restores as an nn.Embedding
+    model.set_input_embeddings(embedpipe.hf.OffloadedEmbedding(V, D, str(tmp_path / "t.zarr")))
+    model.get_input_embeddings().register_forward_hook(lambda m, args, out: calls.append(3))
+    embedpipe.hf.restore(model, tmp_path / "t.zarr")
+    model(input_ids=torch.tensor([[1, 2]]))
+    assert calls == [1, 2, 3]

@@ -1,0 +1,121 @@
+"""The hooks on a model's word embedding, run on the rows the pipe hands the model.
+
+NOTE [ Hooks on the offloaded embedding ]
+Code that wants the word embeddings' output registers a forward hook on
+``model.get_input_embeddings()``, and a model called with ``inputs_embeds`` never calls that
+module, so without more the hook would never run, without an error:
+
+- ``model.enable_input_require_grads()`` (PEFT calls it for LoRA with gradient checkpointing)
+  makes the embeddings' output require grad, so that a reentrant checkpoint of the first layer
+  backpropagates into its LoRA weights when the table itself is frozen. Not run, every adapter
+  weight in a checkpointed layer gets no gradient and never trains (torch only warns).
+- NEFTune (``TrainingArguments(neftune_noise_alpha=...)``) adds uniform noise to the output in
+  training mode. Not run, the model trains without the noise.
+
+So the offloaded embedding keeps the hooks the replaced module had (the same dicts, so the
+handles a caller holds still remove them) and those registered on it since, and every batch's
+``inputs_embeds`` go through them as the module's own call would have sent its output
+(:func:`forward_hooks`): forward pre-hooks with ``(ids,)``, then the forward hooks with
+``(ids,)`` and the rows, each hook's return value replacing the output, in the order they were
+registered, with or without kwargs. The ids are the batch's gathered ids, on the rows' device.
+
+What cannot be made exact raises: a pre-hook that gives the module other ids (the rows were
+gathered for the batch's), and backward hooks (autograd never reaches the module). Hooks
+registered for every module (``torch.nn.modules.module.register_module_forward_hook``) are
+not run for it: the module is not called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import EmbeddingsOffloadedError
+
+#: The hook dicts of an ``nn.Module`` that travel with the word embedding it stands for.
+HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+
+
+def take_hooks(into: nn.Module, source: nn.Module) -> None:
+    """Give ``into`` the hook dicts of ``source`` (the same objects: a handle removes from
+    either)."""
+    for name in HOOK_DICTS:
+        if hasattr(source, name):
+            setattr(into, name, getattr(source, name))
+
+
+@contextmanager
+def hooks_set_aside(module: nn.Module) -> Iterator[None]:
+    """Inside the block, ``module`` has no hooks (its own computation is being checked)."""
+    saved = {name: getattr(module, name) for name in HOOK_DICTS if hasattr(module, name)}
+    for name, hooks in saved.items():
+        setattr(module, name, type(hooks)())
+    try:
+        yield
+    finally:
+        for name, hooks in saved.items():
+            setattr(module, name, hooks)
+
+
+def has_hooks(module: nn.Module) -> bool:
+    return bool(
+        module._forward_pre_hooks
+        or module._forward_hooks
+        or module._backward_pre_hooks
+        or module._backward_hooks
+    )
+
+
+def forward_hooks(
+    module: nn.Module, output: torch.Tensor, ids: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """``output`` (what ``module`` would have returned for the batch's ``ids()``) after the
+    hooks on ``module``, as ``module(ids)`` runs them (see the NOTE)."""
+    if not has_hooks(module):
+        return output
+    if module._backward_pre_hooks or module._backward_hooks:
+        raise EmbeddingsOffloadedError(
+            f"a backward hook is registered on the offloaded word embedding of {module.path}: "
+            "the model is called with inputs_embeds and never calls that module, so the hook "
+            "could not run; hook the gradient of batch['inputs_embeds'] instead "
+            "(inputs_embeds.register_hook)"
+        )
+    given = ids()
+    args: tuple[Any, ...] = (given,)
+    kwargs: dict[str, Any] = {}
+    for key, hook in list(module._forward_pre_hooks.items()):
+        if key in module._forward_pre_hooks_with_kwargs:
+            result = hook(module, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        else:
+            result = hook(module, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+        if len(args) != 1 or args[0] is not given or kwargs:
+            raise EmbeddingsOffloadedError(
+                f"a forward pre-hook on the offloaded word embedding of {module.path} "
+                f"({getattr(hook, '__qualname__', hook)}) changes the module's input; the pipe "
+                "gathered the rows of the batch's own ids, so it cannot run. Change the ids in "
+                "the batch before the model reads inputs_embeds (batch['input_ids'][...] = ...)"
+            )
+    for key, hook in list(module._forward_hooks.items()):
+        if key in module._forward_hooks_with_kwargs:
+            result = hook(module, args, kwargs, output)
+        else:
+            result = hook(module, args, output)
+        if result is not None:
+            output = result
+    return output
