@@ -282,3 +282,27 @@ def test_neftune_noise_reaches_the_offloaded_embeddings(tmp_path):
         assert torch.equal(pipe.table.to_tensor(), reference.model.get_input_embeddings().weight)
         assert max_diff(dense_state(trainer.model), dense_state(reference.model)) == 0.0
         assert not trainer.model.get_input_embeddings()._forward_hooks  # taken off after train()
+
+
+def test_a_streaming_dataset_reshuffles_every_epoch_as_with_nn_embedding(tmp_path):
+    """A Hugging Face streaming dataset with a shuffle buffer: Trainer (through Accelerate) sets
+    its epoch at every epoch, which reshuffles it. Reached through the pipe's loader, over about
+    two epochs: the same batches, table and dense weights as nn.Embedding's, bit for bit."""
+    datasets = pytest.importorskip("datasets")
+
+    def stream():
+        rows = [{k: v.tolist() for k, v in sample.items()} for sample in samples(36)]
+        iterable = datasets.Dataset.from_list(rows).to_iterable_dataset(num_shards=2)
+        return iterable.shuffle(seed=0, buffer_size=8).with_format("torch")
+
+    steps = dict(max_steps=10, num_train_epochs=1)  # 9 batches an epoch, in groups of 2
+    reference = ReferenceTrainer(
+        model=bert(), args=arguments(tmp_path / "reference", **steps), train_dataset=stream()
+    )
+    reference.train()
+    trainer, pipe = train_embedpipe(tmp_path, stream(), **steps)
+    with pipe:
+        pipe.flush()
+        assert trainer.state.epoch == reference.state.epoch > 1
+        assert torch.equal(pipe.table.to_tensor(), reference.model.get_input_embeddings().weight)
+        assert max_diff(dense_state(trainer.model), dense_state(reference.model)) == 0.0

@@ -84,6 +84,56 @@ def test_iterable_datasets(tmp_path, num_workers):
     assert seen == len(DATA)
 
 
+class EpochStream(Stream):
+    """A stream that reshuffles by its epoch (as a Hugging Face streaming dataset's buffer does),
+    with a length and a setting the loop changes."""
+
+    def __init__(self, samples):
+        super().__init__(samples)
+        self.epoch, self.max_length = 0, 99
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __iter__(self):
+        order = torch.randperm(
+            len(self.samples), generator=torch.Generator().manual_seed(self.epoch)
+        )
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        for i in order[worker::workers].tolist():
+            yield {"input_ids": self.samples[i]["input_ids"][: self.max_length]}
+
+
+@pytest.mark.parametrize("dataset", [EpochStream, list])
+def test_the_loaders_dataset_is_the_users_as_frameworks_reach_it(tmp_path, dataset):
+    """loader.dataset wraps the user's dataset (its ids are checked): Accelerate's set_epoch
+    (Trainer calls it every epoch) and a loop that sets an attribute reach the user's, and len()
+    is the DataLoader's."""
+    embedpipe.Table.create(tmp_path / "t.zarr", 1000, 4).close()
+    data = dataset(DATA)
+    plain = torch.utils.data.DataLoader(data, batch_size=4, collate_fn=lambda b: b)
+    with EmbeddingPipe(tmp_path / "t.zarr", cache_rows=30) as pipe:
+        loader = pipe.loader(data, batch_size=4, num_workers=2)
+        assert len(loader) == len(plain)
+        if dataset is list:
+            assert loader.dataset.index(DATA[0]) == 0  # the list's own method
+            return
+        firsts = []
+        for epoch in range(2):
+            if hasattr(loader.dataset, "set_epoch"):  # as accelerate.DataLoaderShard does
+                loader.dataset.set_epoch(epoch)
+            loader.dataset.max_length = 3 + epoch
+            batches = list(loader)
+            firsts.append(batches[0]["input_ids"])
+            assert {b["input_ids"].shape[1] for b in batches} == {3 + epoch}
+        assert data.epoch == 1 and data.max_length == 4
+        assert not torch.equal(firsts[0][:, :3], firsts[1][:, :3])  # reshuffled
+
+
 def test_iterable_dataset_out_of_range_id_names_the_stream_position(tmp_path):
     embedpipe.Table.create(tmp_path / "t.zarr", 10, 4).close()
     data = [{"input_ids": torch.tensor([1, 2])}] * 3 + [{"input_ids": torch.tensor([1, 99])}]
