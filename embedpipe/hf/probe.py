@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import EmbeddingsOffloadedError, InvalidRowsError
-from ..pipe.callhooks import hooks_set_aside
+from ..pipe.callhooks import has_hooks, hooks_set_aside
 from ..pipe.derived import text_config
 from ..pipe.placeholder import OffloadedEmbedding
 from ..pipe.rowscale import devices, same, scaled
@@ -158,6 +158,18 @@ def refuse_displacing(
             f"{type(model).__name__}.set_input_embeddings also replaces {', '.join(displaced)}, "
             "an embedding other than get_input_embeddings(): offloading would drop its rows. "
             "Tie them (one embedding module) or offload a model with one input embedding"
+        )
+    hooked = [
+        n
+        for n, m in after.items()
+        if m is placeholder and before[n] is not embeddings and has_hooks(before[n])
+    ]
+    if hooked:  # (BART's encoder calls encoder.embed_tokens, a module over shared's weight)
+        raise InvalidRowsError(
+            f"hooks are registered on {', '.join(hooked)}, a module over the same weight as "
+            "get_input_embeddings() that offload replaces too: the pipe runs the hooks of "
+            "get_input_embeddings() only. Remove them and register them on "
+            "model.get_input_embeddings() after offload"
         )
 
 

@@ -13,16 +13,21 @@ module, so without more the hook would never run, without an error:
   training mode. Not run, the model trains without the noise.
 
 So the offloaded embedding keeps the hooks the replaced module had (the same dicts, so the
-handles a caller holds still remove them) and those registered on it since, and every batch's
-``inputs_embeds`` go through them as the module's own call would have sent its output
+handles a caller holds still remove them) and those registered on it since, and every read of a
+batch's ``inputs_embeds`` goes through them as the module's own call would have sent its output
 (:func:`forward_hooks`): forward pre-hooks with ``(ids,)``, then the forward hooks with
-``(ids,)`` and the rows, each hook's return value replacing the output, in the order they were
-registered, with or without kwargs. The ids are the batch's gathered ids, on the rows' device.
+``(ids,)`` and the rows, each hook's return value replacing the output, in torch's order, with
+or without kwargs. The ids are the batch's gathered ids, on the rows' device; a multiple-choice
+batch's ``(B, C, L)`` is given as ``(B * C, L)``, as the models view it before their
+embedding. Where the model's forward multiplies the looked-up rows by a scale (Marian), the
+hooks run before it (``OffloadedEmbedding.finish``).
 
-What cannot be made exact raises: a pre-hook that gives the module other ids (the rows were
-gathered for the batch's), and backward hooks (autograd never reaches the module). Hooks
-registered for every module (``torch.nn.modules.module.register_module_forward_hook``) are
-not run for it: the module is not called.
+The hooks run at the read, where ``nn.Embedding`` runs them at each forward pass: a read given
+to the model twice raises (``derived.read_once``). What else cannot be made exact raises too: a
+pre-hook that gives the module other ids (the rows were gathered for the batch's), and backward
+hooks (autograd never reaches the module). Hooks registered for every module
+(``torch.nn.modules.module.register_module_forward_hook``) are not run for it: the module is
+not called.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ import torch
 from torch import nn
 
 from ..errors import EmbeddingsOffloadedError
+
+#: The attribute of ``inputs_embeds`` whose rows went through the hooks: the ids of the modules
+#: holding the word embedding that were given them (each may be once: ``derived.read_once``).
+HOOKED = "_embedpipe_hooked"
 
 #: The hook dicts of an ``nn.Module`` that travel with the word embedding it stands for.
 HOOK_DICTS = (
@@ -92,7 +101,11 @@ def forward_hooks(
             "could not run; hook the gradient of batch['inputs_embeds'] instead "
             "(inputs_embeds.register_hook)"
         )
-    given = ids()
+    given, shape = ids(), output.shape
+    flat = given.dim() > 2  # multiple choice: the model views (B, C, L) as (B * C, L) first
+    if flat:
+        given = given.reshape(-1, given.shape[-1])
+        output = output.reshape(*given.shape, shape[-1])
     args: tuple[Any, ...] = (given,)
     kwargs: dict[str, Any] = {}
     for key, hook in list(module._forward_pre_hooks.items()):
@@ -104,7 +117,7 @@ def forward_hooks(
             result = hook(module, args)
             if result is not None:
                 args = result if isinstance(result, tuple) else (result,)
-        if len(args) != 1 or args[0] is not given or kwargs:
+        if len(args) != 1 or kwargs or not _same(args[0], given):
             raise EmbeddingsOffloadedError(
                 f"a forward pre-hook on the offloaded word embedding of {module.path} "
                 f"({getattr(hook, '__qualname__', hook)}) changes the module's input; the pipe "
@@ -118,4 +131,19 @@ def forward_hooks(
             result = hook(module, args, output)
         if result is not None:
             output = result
+    if flat:
+        output = output.reshape(shape)
+    readers: list[int] = []  # the modules it was given to (``derived.py``: ``read_once``)
+    for tensor in (output, output._base):  # (the model's view of a reshaped one has that base)
+        if tensor is not None:
+            setattr(tensor, HOOKED, readers)
     return output
+
+
+def _same(tensor: Any, ids: torch.Tensor) -> bool:
+    return tensor is ids or (
+        isinstance(tensor, torch.Tensor)
+        and tensor.shape == ids.shape
+        and tensor.dtype == ids.dtype
+        and bool(torch.equal(tensor, ids))
+    )

@@ -26,6 +26,10 @@ forward pre-hook on the model's modules that do either:
   than the last position in any row, naming the rows and the remedy (pad on the left, where the
   last token is a real one in every row, or give each row its own batch).
 
+A third kind is not about the ids: a module holding the word embedding that takes
+``inputs_embeds`` (BERT's embeddings block, Llama's model) raises when one read of
+``inputs_embeds`` that ran the embedding's hooks reaches it a second time (:func:`read_once`).
+
 ``embedpipe.hf.offload`` and ``EmbeddingPipe.attach`` call :func:`watch`. Modules are recognised
 by their code (duck-typed; no import of transformers). ``inputs_embeds`` that the loop made from
 a batch's (``embeds * 2``, ``.to(device)``) lose the ids: a pooling classifier then falls back to
@@ -44,14 +48,18 @@ from torch import nn
 
 from ..errors import EmbeddingsOffloadedError
 from ..worker.batch import gathered_ids
+from .callhooks import HOOKED
 
 _WATCHED = "_embedpipe_watched"
 
 
-def watch(model: nn.Module) -> list[tuple[nn.Module, Any]]:
+def watch(model: nn.Module, embeddings: nn.Module | None = None) -> list[tuple[nn.Module, Any]]:
     """Hook the modules of ``model`` that derive positions or the pooled token from
-    ``input_ids`` (see the NOTE); once per module. Returns the hooks it added, for
-    :func:`unwatch`."""
+    ``input_ids`` (see the NOTE), and those holding its word ``embeddings`` (default:
+    ``model.get_input_embeddings()``) that take ``inputs_embeds`` (:func:`read_once`); once per
+    module. Returns the hooks it added, for :func:`unwatch`."""
+    if embeddings is None and hasattr(model, "get_input_embeddings"):
+        embeddings = model.get_input_embeddings()
     added = []
     for module in model.modules():
         if getattr(module, _WATCHED, False):
@@ -60,17 +68,21 @@ def watch(model: nn.Module) -> list[tuple[nn.Module, Any]]:
         if source is None:
             continue
         signature = inspect.signature(module.forward)
-        if not {"input_ids", "inputs_embeds"} <= signature.parameters.keys():
+        if "inputs_embeds" not in signature.parameters:
             continue
-        if "create_position_ids_from_input_ids" in source:
-            hook = _positions_from_ids
-        elif "last_non_pad_token" in source:
-            hook = _pooled_token_is_last
-        else:
-            continue
-        handle = module.register_forward_pre_hook(partial(hook, signature), with_kwargs=True)
-        setattr(module, _WATCHED, True)
-        added.append((module, handle))
+        hooks = []
+        if embeddings is not None and any(c is embeddings for c in module.children()):
+            hooks.append(read_once)
+        if "input_ids" in signature.parameters:
+            if "create_position_ids_from_input_ids" in source:
+                hooks.append(_positions_from_ids)
+            elif "last_non_pad_token" in source:
+                hooks.append(_pooled_token_is_last)
+        for hook in hooks:
+            handle = module.register_forward_pre_hook(partial(hook, signature), with_kwargs=True)
+            added.append((module, handle))
+        if hooks:
+            setattr(module, _WATCHED, True)
     return added
 
 
@@ -117,6 +129,31 @@ def _positions_from_ids(
         return None
     bound.arguments["input_ids"] = ids
     return bound.args, bound.kwargs
+
+
+def read_once(signature: inspect.Signature, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """``inputs_embeds`` that went through the hooks on the word embedding (NOTE [ Hooks on the
+    offloaded embedding ] in ``callhooks.py``) reach the module that would have called it once:
+    a second forward pass on the same read (R-Drop's two passes) would run them once where
+    ``nn.Embedding`` runs them twice (NEFTune's noise drawn once, torch's generator out of
+    step), so it raises."""
+    bound = _bound(signature, args, kwargs)
+    embeds = None if bound is None else bound.arguments.get("inputs_embeds")
+    if not isinstance(embeds, torch.Tensor):
+        return
+    readers = getattr(embeds, HOOKED, None)
+    if readers is None and embeds._base is not None:
+        readers = getattr(embeds._base, HOOKED, None)
+    if readers is None:
+        return
+    if id(module) in readers:
+        raise EmbeddingsOffloadedError(
+            f"one read of batch['inputs_embeds'] reached {type(module).__name__} twice, and hooks "
+            "on the word embedding (NEFTune, enable_input_require_grads) ran on it once, where "
+            "nn.Embedding would run them at each forward pass; read batch['inputs_embeds'] "
+            "again for each forward pass"
+        )
+    readers.append(id(module))
 
 
 def _pooled_token_is_last(

@@ -33,7 +33,7 @@ from ..store.checkpoints import Checkpoint
 from ..store.table import Table
 from .derived import watch
 from .placeholder import finish_embeds, ignore_in_ddp, offloaded_embeddings
-from .rowscale import recorded_scale
+from .rowscale import recorded_in_model, recorded_scale
 from .unclosed import close_when_collected
 
 CONSISTENCY = ("exact", "bounded")
@@ -229,7 +229,10 @@ class EmbeddingPipe:
         self.table = table
         # a function of the table, not a method: the owner must not keep the pipe alive
         self._owner.finish_embeds = partial(
-            finish_embeds, table.path, recorded_scale(table.metadata)
+            finish_embeds,
+            table.path,
+            recorded_scale(table.metadata),
+            in_model=recorded_in_model(table.metadata),
         )
         self.optimizer = optimizer
         self.consistency = consistency
@@ -291,9 +294,11 @@ class EmbeddingPipe:
 
     def attach(self, model: torch.nn.Module) -> None:
         """Put :attr:`parameter` in ``model``, in the place of its offloaded word embeddings, so
-        that clipping and optimizers built from ``model.parameters()`` see the table.
+        that clipping and optimizers built from ``model.parameters()`` see the table, and make
+        the batches the model's (its dtype, its embedding's scale and hooks).
 
-        Done by itself for models offloaded with ``embedpipe.hf.offload`` in this process.
+        Done by itself for models offloaded in this process to the table's path; call it for
+        one offloaded to a table this pipe reads a copy of. A frozen pipe puts no parameter in.
         """
         from .placeholder import OffloadedEmbedding
 
@@ -308,9 +313,11 @@ class EmbeddingPipe:
                     "offload its word embeddings with embedpipe.hf.offload(model, path) first"
                 )
             embeddings = found[0]
-        embeddings.attach(self.parameter)
+        if self.optimizer is not None:
+            embeddings.attach(self.parameter)
+        embeddings._register(self.table.path)  # batches as it takes them, from a copy too
         ignore_in_ddp(model, embeddings)
-        watch(model)  # NOTE [ What a model derives from input_ids ]
+        watch(model, embeddings)  # NOTE [ What a model derives from input_ids ]
 
     def step(self) -> bool:
         """Apply the pending gradient as one table step, at the row optimizer's learning rate.

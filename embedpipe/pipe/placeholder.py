@@ -49,14 +49,16 @@ def finish_embeds(
     recorded: float | torch.Tensor | None,
     embeds: torch.Tensor,
     ids: Callable[[], torch.Tensor],
+    *,
+    in_model: bool = False,
 ) -> torch.Tensor:
     """``embeds`` gathered from the table at ``path`` for the batch's ``ids()`` as the models
     offloaded to it take them (:meth:`OffloadedEmbedding.finish`): in their dtype (a model cast
     after ``offload``: ``model.half()``), times their scale (NOTE [ Scaled word embeddings ] in
     ``rowscale.py``), through the hooks on their embedding (NOTE [ Hooks on the offloaded
     embedding ] in ``callhooks.py``). A placeholder that knows no scale (one built by hand) takes
-    the one the table ``recorded`` at ``offload``, as does a process with no model (``embedpipe
-    convert``). Models on one table that disagree on any of these raise: a batch cannot tell
+    the one the table ``recorded`` at ``offload`` (multiplied ``in_model``, or in the module), as
+    does a process with no model (``embedpipe convert``). Models on one table that disagree on any of these raise: a batch cannot tell
     which one will read it."""
     modules = offloaded_embeddings(path)
     if not modules:
@@ -84,7 +86,7 @@ def finish_embeds(
             "cannot tell which model will read it; give each model a table of its own, or "
             "delete the models not in use"
         )
-    return modules[0].finish(embeds, recorded, ids)
+    return modules[0].finish(embeds, recorded, ids, in_model=in_model)
 
 
 class OffloadedEmbedding(nn.Module):
@@ -124,6 +126,8 @@ class OffloadedEmbedding(nn.Module):
         self.register_parameter("rows", None)
         #: the scale as a number, to compare (NOTE [ Scaled word embeddings ]); None: no scale
         self.scale_value = None if embed_scale is None else float(embed_scale)
+        #: the model's forward multiplies the rows by it, not the embedding (:meth:`scale_in_model`)
+        self.in_model = False
         if isinstance(embed_scale, torch.Tensor):  # a buffer, as the scaled module's: follows .to
             self.register_buffer("embed_scale", embed_scale.detach().clone(), persistent=False)
         else:
@@ -131,7 +135,13 @@ class OffloadedEmbedding(nn.Module):
         # the module it replaced, without its weight (not a submodule: out of .modules())
         object.__setattr__(self, "_template", None)
         # a pipe made on the table from now on finds it (and attaches its parameter to it)
-        _OFFLOADED.setdefault(_resolved(path), []).append(weakref.ref(self))
+        self._register(path)
+
+    def _register(self, path: str) -> None:
+        """Found by the pipes on the table at ``path`` (a copy of its own table: ``attach``)."""
+        refs = _OFFLOADED.setdefault(_resolved(path), [])
+        if not any(r() is self for r in refs):
+            refs.append(weakref.ref(self))
 
     def _unregister(self) -> None:
         """Out of the registry: ``offload`` failed after making it."""
@@ -174,27 +184,40 @@ class OffloadedEmbedding(nn.Module):
         if self.embed_scale is not None:
             buffer = isinstance(self.embed_scale, torch.Tensor)
             metadata["embed_scale"] = {"value": self.scale_value, "buffer": buffer}
+            if self.in_model:
+                metadata["embed_scale"]["in_model"] = True
         return metadata
 
     def scale_in_model(self, scale: float) -> None:
         """The model multiplies the looked-up rows by ``scale`` itself (Marian, Pegasus:
         ``embedpipe/hf/probe.py`` found it): its batches' ``inputs_embeds`` carry it."""
         self.embed_scale, self.scale_value = scale, float(scale)
+        self.in_model = True
 
     def finish(
         self,
         embeds: torch.Tensor,
         recorded: float | torch.Tensor | None,
         ids: Callable[[], torch.Tensor],
+        *,
+        in_model: bool = False,
     ) -> torch.Tensor:
-        """``embeds``, the rows gathered for the batch's ``ids()``, as the replaced module's call
-        returned them: in the model's dtype, times its scale (or the table's ``recorded`` one if
-        it knows none), through the hooks registered on it or on the replaced module."""
+        """``embeds``, the rows gathered for the batch's ``ids()``, as the model computes them
+        from the ids: in its dtype, through the hooks registered on this module or on the one it
+        replaced, times its scale (or the table's ``recorded`` one, multiplied ``in_model``, if it
+        knows none): before the hooks where the embedding scales, after them where the model's
+        forward does (NOTE [ Hooks on the offloaded embedding ] in ``callhooks.py``)."""
         if embeds.dtype != self.dtype:
             embeds = embeds.to(self.dtype)
-        scale = self.embed_scale if self.embed_scale is not None else recorded
-        embeds = embeds if scale is None else scaled(embeds, scale)
-        return forward_hooks(self, embeds, ids)
+        if self.embed_scale is not None:
+            scale, in_model = self.embed_scale, self.in_model
+        else:
+            scale = recorded
+        if scale is None:
+            return forward_hooks(self, embeds, ids)
+        if in_model:
+            return scaled(forward_hooks(self, embeds, ids), scale)
+        return forward_hooks(self, scaled(embeds, scale), ids)
 
     def restore(self, weight: torch.Tensor, recorded: Any = None) -> nn.Module:
         """The replaced module again (an ``nn.Embedding`` for one made by hand), holding

@@ -144,3 +144,8 @@ def recorded_scale(metadata: dict[str, Any]) -> float | torch.Tensor | None:
         return None
     value = float(recorded["value"])
     return torch.tensor(value, dtype=torch.float64) if recorded["buffer"] else value
+
+
+def recorded_in_model(metadata: dict[str, Any]) -> bool:
+    """Whether the recorded scale is the model's forward's (Marian's), not the embedding's."""
+    return bool((metadata.get("embed_scale") or {}).get("in_model", False))

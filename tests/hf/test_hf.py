@@ -666,3 +666,85 @@ def test_a_model_that_pads_to_its_attention_window_is_probed_at_that_length(tmp_
     model = transformers.LongformerModel(config).eval()
     offload(model, tmp_path / "vocab.zarr").close()
     assert isinstance(model.get_input_embeddings(), OffloadedEmbedding)
+
+
+def plus_one(module, args, out):
+    """A hook that changes the rows (as NEFTune's noise does), without drawing."""
+    return out + 1.0
+
+
+@pytest.mark.parametrize("resumed", [False, True], ids=["offloaded", "rebuilt-with-replacing"])
+@pytest.mark.parametrize(
+    ("make", "part"),
+    [(marian, lambda m: m.get_encoder()), (falcon_h1, lambda m: m)],
+    ids=["Marian", "FalconH1"],
+)
+def test_hooks_see_the_rows_before_a_scale_the_model_applies(tmp_path, make, part, resumed):
+    """Marian and FalconH1 multiply embed_tokens(ids) by their scale in their own forward: a
+    hook on the embedding sees the unscaled rows, and the scale applies to what it returns.
+    A model rebuilt on the table (``replacing``: its embedding knows no scale) takes where the
+    scale goes from the table."""
+    reference = make()
+    reference.get_input_embeddings().register_forward_hook(plus_one)
+    ids, mask = batch()
+    with torch.no_grad():
+        expected = part(reference)(input_ids=ids, attention_mask=mask)[0]
+    model = make()
+    path = str(tmp_path / "vocab.zarr")
+    offload(model, path).close()
+    if resumed:
+        model = make()
+        model.set_input_embeddings(OffloadedEmbedding.replacing(model.get_input_embeddings(), path))
+    model.get_input_embeddings().register_forward_hook(plus_one)
+    with embedpipe.EmbeddingPipe(path, cache_rows=50) as pipe:
+        loaded = next(iter(pipe.loader([{"input_ids": i} for i in ids], batch_size=len(ids))))
+        with torch.no_grad():
+            got = part(model)(inputs_embeds=loaded["inputs_embeds"], attention_mask=mask)[0]
+    assert torch.equal(got, expected)
+
+
+def test_hooks_see_a_multiple_choice_batch_as_the_model_flattens_it(tmp_path):
+    """BertForMultipleChoice views its (B, C, L) ids as (B * C, L) before the embedding, so
+    NEFTune's hook (whose noise scales with the output's shape) sees (B * C, L, D) rows: the
+    pipe's batch is (B, C, L), and the hooks get it flattened the same way."""
+    from transformers.integrations.neftune import neftune_post_forward_hook
+
+    def noisy(model):
+        model.train()
+        embeddings = model.get_input_embeddings()
+        embeddings.neftune_noise_alpha = 5.0
+        embeddings.register_forward_hook(neftune_post_forward_hook)
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, V, (4, 3, 9), generator=generator)
+    reference = bert("BertForMultipleChoice", hidden_dropout_prob=0.0)
+    noisy(reference)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+    model = bert("BertForMultipleChoice", hidden_dropout_prob=0.0)
+    offload(model, tmp_path / "vocab.zarr").close()
+    noisy(model)
+    with embedpipe.EmbeddingPipe(tmp_path / "vocab.zarr", cache_rows=50) as pipe:
+        loaded = next(iter(pipe.loader([{"input_ids": i} for i in ids], batch_size=len(ids))))
+        torch.manual_seed(1)
+        with torch.no_grad():
+            got = model(inputs_embeds=loaded["inputs_embeds"]).logits
+    assert torch.equal(got, expected)
+
+
+def test_hooks_on_an_alias_of_the_word_embedding_are_refused(tmp_path):
+    """BART (transformers 5): get_input_embeddings() is `shared`, and the encoder calls
+    `encoder.embed_tokens`, another module over the same weight. offload puts the placeholder
+    in both places and runs the hooks of the first only: hooks on the second are refused."""
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=V, d_model=D, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.BartModel(config)
+    model.encoder.embed_tokens.register_forward_hook(plus_one)
+    with pytest.raises(errors.InvalidRowsError, match="hooks are registered on encoder.embed_"):
+        offload(model, tmp_path / "vocab.zarr")
+    assert not (tmp_path / "vocab.zarr").exists()

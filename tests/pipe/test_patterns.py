@@ -672,11 +672,18 @@ def test_hooks_on_the_word_embedding_run_on_the_batches_rows(tmp_path, registere
     seen = {True: [], False: []}
 
     def hook_all(model, offloaded):
-        a = model.get_input_embeddings().register_forward_hook(noise)
-        b = model.get_input_embeddings().register_forward_hook(
-            lambda m, args, kwargs, out: seen[offloaded].append(args[0].clone()), with_kwargs=True
+        embedding, log = model.get_input_embeddings(), seen[offloaded]
+        a = embedding.register_forward_hook(noise)
+        embedding.register_forward_hook(
+            lambda m, args, kwargs, out: log.append(args[0].clone()), with_kwargs=True
         )
-        return a, b
+        embedding.register_forward_pre_hook(
+            lambda m, args, kwargs: (args, kwargs), with_kwargs=True
+        )
+        embedding.register_forward_pre_hook(lambda m, args: (args[0].clamp(0, V - 1),))  # equal
+        embedding.register_forward_hook(lambda m, args, out: log.append("first"), prepend=True)
+        embedding.register_forward_hook(lambda m, args, out: log.append("always"), always_call=True)
+        return (a,)
 
     reference = Toy()
     dense, adagrad = reference_optimizer(reference)
@@ -701,7 +708,8 @@ def test_hooks_on_the_word_embedding_run_on_the_batches_rows(tmp_path, registere
             optimizer.zero_grad()
         assert torch.equal(table(pipe), reference.emb.weight)
     assert torch.equal(model.lin.weight, reference.lin.weight)
-    assert len(seen[True]) == 4 and all(map(torch.equal, seen[True], seen[False]))
+    assert len(seen[True]) == 12 and [type(x) for x in seen[True]] == [type(x) for x in seen[False]]
+    assert all(x == y if isinstance(x, str) else torch.equal(x, y) for x, y in zip(*seen.values()))
 
 
 def test_hooks_that_cannot_run_on_the_batches_rows_raise(tmp_path):
@@ -728,6 +736,52 @@ def test_hooks_that_cannot_run_on_the_batches_rows_raise(tmp_path):
         ):
             batch["inputs_embeds"]
         del other
+
+
+def test_two_forward_passes_run_the_hooks_twice_or_raise(tmp_path):
+    """R-Drop, SimCSE: two forward passes on one batch. nn.Embedding runs its hooks at each (two
+    noises); read batch['inputs_embeds'] once per pass and the pipe does the same; pass one read
+    to the model twice and it raises, where the hooks would have run once."""
+
+    def two_passes(model, inputs):
+        first, second = model(**inputs()), model(**inputs())
+        return nn.functional.mse_loss(first, second) + first.square().mean()
+
+    reference = Toy()
+    reference.emb.register_forward_hook(noise)
+    dense, adagrad = reference_optimizer(reference)
+    for batch in torch.utils.data.DataLoader(samples(12), batch_size=4):
+        two_passes(reference, lambda b=batch: {"input_ids": b["input_ids"]}).backward()
+        step_both(dense, adagrad)
+
+    model = Toy()
+    model.emb.register_forward_hook(noise)
+    with offloaded(tmp_path, model) as pipe:
+        optimizer = one_optimizer(model, pipe)
+        for batch in pipe.loader(samples(12), batch_size=4):
+            two_passes(model, lambda b=batch: {"inputs_embeds": b["inputs_embeds"]}).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert torch.equal(table(pipe), reference.emb.weight)
+        assert torch.equal(model.lin.weight, reference.lin.weight)
+        read = batch["inputs_embeds"]
+        with pytest.raises(embedpipe.errors.EmbeddingsOffloadedError, match="reached Toy twice"):
+            two_passes(model, lambda: {"inputs_embeds": read})
+
+
+def test_a_pipe_on_a_copy_of_the_table_runs_the_models_hooks(tmp_path):
+    """A model offloaded to one path, trained on a copy elsewhere (a local disk): attach makes
+    the copy's batches the model's (its dtype, scale and hooks)."""
+    import shutil
+
+    model = Toy()
+    embedpipe.hf.offload(model, tmp_path / "a.zarr", chunk_rows=16).close()
+    shutil.copytree(tmp_path / "a.zarr", tmp_path / "b.zarr")
+    model.get_input_embeddings().register_forward_hook(lambda m, args, out: out * 0)
+    with embedpipe.EmbeddingPipe(tmp_path / "b.zarr", cache_rows=20) as pipe:
+        pipe.attach(model)
+        batch = next(iter(pipe.loader(samples(4), batch_size=4)))
+        assert not batch["inputs_embeds"].any()
 
 
 def test_restore_gives_the_hooks_back(tmp_path):
