@@ -64,6 +64,7 @@ def check(model: nn.Module, embeddings: nn.Module, placeholder: OffloadedEmbeddi
             torch.no_grad(),
             torch.random.fork_rng(devices=devices(ids)),
             hooks_set_aside(embeddings),
+            hooks_set_aside(placeholder),  # (it holds the same dicts)
         ):
             candidates, scales = _candidates(model, embeddings)
             for module in candidates:

@@ -22,8 +22,10 @@ batch's ``(B, C, L)`` is given as ``(B * C, L)``, as the models view it before t
 embedding. Where the model's forward multiplies the looked-up rows by a scale (Marian), the
 hooks run before it (``OffloadedEmbedding.finish``).
 
-The hooks run at the read, where ``nn.Embedding`` runs them at each forward pass: a read given
-to the model twice raises (``derived.read_once``). What else cannot be made exact raises too: a
+The hooks run at the read, where ``nn.Embedding`` runs them at each forward pass: the module
+that would have called the embedding checks what it is given (``derived.read_once``): a second
+pass on one read runs them anew, and a slice, a copy or a cast of a read raises unless every
+hook gives the same rows wherever it runs. What else cannot be made exact raises too: a
 pre-hook that gives the module other ids (the rows were gathered for the batch's), and backward
 hooks (autograd never reaches the module). Hooks registered for every module
 (``torch.nn.modules.module.register_module_forward_hook``) are not run for it: the module is
@@ -32,6 +34,7 @@ not called.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -41,8 +44,7 @@ from torch import nn
 
 from ..errors import EmbeddingsOffloadedError
 
-#: The attribute of ``inputs_embeds`` whose rows went through the hooks: the ids of the modules
-#: holding the word embedding that were given them (each may be once: ``derived.read_once``).
+#: The attribute of ``inputs_embeds`` whose rows went through the hooks: a :class:`Hooked`.
 HOOKED = "_embedpipe_hooked"
 
 #: The hook dicts of an ``nn.Module`` that travel with the word embedding it stands for.
@@ -133,11 +135,46 @@ def forward_hooks(
             output = result
     if flat:
         output = output.reshape(shape)
-    readers: list[int] = []  # the modules it was given to (``derived.py``: ``read_once``)
-    for tensor in (output, output._base):  # (the model's view of a reshaped one has that base)
-        if tensor is not None:
-            setattr(tensor, HOOKED, readers)
     return output
+
+
+class Hooked:
+    """What a read of ``inputs_embeds`` whose rows went through the hooks carries (``HOOKED``):
+    how to read it again (``again``: the hooks run anew), the shape the hooks saw (the model
+    gives that shape to the module holding the embedding), and the modules it reached."""
+
+    def __init__(self, again: Callable[[], torch.Tensor], shape: tuple[int, ...]) -> None:
+        self.again, self.shape = again, shape
+        self.readers: set[int] = set()
+
+    @classmethod
+    def on(cls, output: torch.Tensor, again: Callable[[], torch.Tensor]) -> None:
+        shape = tuple(output.shape)
+        if len(shape) > 3:  # as forward_hooks gave it to them: (B * C, L, D)
+            shape = (math.prod(shape[:-2]), *shape[-2:])
+        tag = cls(again, shape)
+        for tensor in (output, output._base):  # (the model's view of a reshaped one has that base)
+            if tensor is not None:
+                setattr(tensor, HOOKED, tag)
+
+    @staticmethod
+    def of(embeds: torch.Tensor) -> Hooked | None:
+        tag = getattr(embeds, HOOKED, None)
+        if tag is None and embeds._base is not None:
+            tag = getattr(embeds._base, HOOKED, None)
+        return tag
+
+
+#: Hooks that give the same rows run once or at every pass, on the whole read or on a part of
+#: it: transformers' ``enable_input_require_grads`` and PEFT's own copy of it.
+_ANYWHERE = frozenset({"make_inputs_require_grads", "make_inputs_require_grad"})
+
+
+def exact_anywhere(module: nn.Module) -> bool:
+    """All of ``module``'s forward hooks are ones whose result does not depend on when or on
+    what part of a read they run."""
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    return all(getattr(hook, "__name__", None) in _ANYWHERE for hook in hooks)
 
 
 def _same(tensor: Any, ids: torch.Tensor) -> bool:

@@ -27,8 +27,8 @@ forward pre-hook on the model's modules that do either:
   last token is a real one in every row, or give each row its own batch).
 
 A third kind is not about the ids: a module holding the word embedding that takes
-``inputs_embeds`` (BERT's embeddings block, Llama's model) raises when one read of
-``inputs_embeds`` that ran the embedding's hooks reaches it a second time (:func:`read_once`).
+``inputs_embeds`` (BERT's embeddings block, Llama's model) checks that it is given what the
+hooks on the embedding ran on (:func:`read_once`, NOTE [ Hooks on the offloaded embedding ]).
 
 ``embedpipe.hf.offload`` and ``EmbeddingPipe.attach`` call :func:`watch`. Modules are recognised
 by their code (duck-typed; no import of transformers). ``inputs_embeds`` that the loop made from
@@ -48,7 +48,8 @@ from torch import nn
 
 from ..errors import EmbeddingsOffloadedError
 from ..worker.batch import gathered_ids
-from .callhooks import HOOKED
+from .callhooks import Hooked, exact_anywhere, has_hooks
+from .placeholder import OffloadedEmbedding
 
 _WATCHED = "_embedpipe_watched"
 
@@ -71,7 +72,7 @@ def watch(model: nn.Module, embeddings: nn.Module | None = None) -> list[tuple[n
         if "inputs_embeds" not in signature.parameters:
             continue
         hooks = []
-        if embeddings is not None and any(c is embeddings for c in module.children()):
+        if embeddings is not None and any(_holds(c, embeddings) for c in module.children()):
             hooks.append(read_once)
         if "input_ids" in signature.parameters:
             if "create_position_ids_from_input_ids" in source:
@@ -131,29 +132,58 @@ def _positions_from_ids(
     return bound.args, bound.kwargs
 
 
-def read_once(signature: inspect.Signature, module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """``inputs_embeds`` that went through the hooks on the word embedding (NOTE [ Hooks on the
-    offloaded embedding ] in ``callhooks.py``) reach the module that would have called it once:
-    a second forward pass on the same read (R-Drop's two passes) would run them once where
-    ``nn.Embedding`` runs them twice (NEFTune's noise drawn once, torch's generator out of
-    step), so it raises."""
+def _holds(child: nn.Module, embeddings: nn.Module) -> bool:
+    """``child`` is the word embedding: the module, its placeholder, or another module over the
+    same weight (BART's ``encoder.embed_tokens`` beside ``shared``, which offload replaces too)."""
+    if child is embeddings or isinstance(child, OffloadedEmbedding):
+        return True
+    mine, theirs = getattr(child, "weight", None), getattr(embeddings, "weight", None)
+    return (
+        type(child) is type(embeddings)
+        and isinstance(mine, torch.Tensor)
+        and isinstance(theirs, torch.Tensor)
+        and mine.shape == theirs.shape
+        and mine.data_ptr() == theirs.data_ptr()
+    )
+
+
+def read_once(signature: inspect.Signature, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """The module that would have called the word embedding is given what the hooks on it
+    (NOTE [ Hooks on the offloaded embedding ] in ``callhooks.py``) would have returned there:
+    the read they ran on, or at a second forward pass on that read (R-Drop, a second
+    evaluation) the read again, the hooks run anew as at each call of ``nn.Embedding`` (not in a
+    checkpoint's recomputation during backward, which must see the first pass's rows). Anything else (a slice of a read, a copy, a concatenation, a cast) had
+    the hooks run on other rows than the model is given: it raises, unless every hook gives the
+    same rows wherever it runs (``enable_input_require_grads``)."""
     bound = _bound(signature, args, kwargs)
     embeds = None if bound is None else bound.arguments.get("inputs_embeds")
-    if not isinstance(embeds, torch.Tensor):
-        return
-    readers = getattr(embeds, HOOKED, None)
-    if readers is None and embeds._base is not None:
-        readers = getattr(embeds._base, HOOKED, None)
-    if readers is None:
-        return
-    if id(module) in readers:
+    placeholder = next((c for c in module.children() if isinstance(c, OffloadedEmbedding)), None)
+    if (
+        not isinstance(embeds, torch.Tensor)
+        or placeholder is None
+        or not has_hooks(placeholder)
+        or exact_anywhere(placeholder)
+    ):
+        return None
+    tag = Hooked.of(embeds)
+    if tag is None or tuple(embeds.shape) != tag.shape:
+        what = "not a read of batch['inputs_embeds']" if tag is None else "a part of a read"
         raise EmbeddingsOffloadedError(
-            f"one read of batch['inputs_embeds'] reached {type(module).__name__} twice, and hooks "
-            "on the word embedding (NEFTune, enable_input_require_grads) ran on it once, where "
-            "nn.Embedding would run them at each forward pass; read batch['inputs_embeds'] "
-            "again for each forward pass"
+            f"{type(module).__name__} was given inputs_embeds of shape {tuple(embeds.shape)}, "
+            f"{what} (a slice, a copy, a concatenation, a cast): the hooks on the word embedding "
+            "(NEFTune...) ran on the read's rows, where nn.Embedding would run them on what the "
+            "model is given. Give the model batch['inputs_embeds'] as read (one batch per "
+            "forward pass), or remove the hooks"
         )
-    readers.append(id(module))
+    if id(module) not in tag.readers:
+        tag.readers.add(id(module))
+        return None
+    if torch._C._current_graph_task_id() != -1:
+        return None  # a checkpoint recomputing its forward in backward: the same rows again
+    again = tag.again()  # a second pass: the hooks run again, as nn.Embedding's would
+    Hooked.of(again).readers.add(id(module))
+    bound.arguments["inputs_embeds"] = again.reshape(embeds.shape)
+    return bound.args, bound.kwargs
 
 
 def _pooled_token_is_last(

@@ -15,13 +15,14 @@ import os
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import EmbeddingsOffloadedError
-from .callhooks import forward_hooks, has_hooks, take_hooks
+from .callhooks import Hooked, forward_hooks, has_hooks, take_hooks
 from .rowscale import scale_of, scaled, without_weight
 
 #: The offloaded embedding modules of this process, by table path, oldest first: a pipe on that
@@ -168,6 +169,7 @@ class OffloadedEmbedding(nn.Module):
         )
         object.__setattr__(placeholder, "_template", without_weight(module))
         take_hooks(placeholder, module)  # they run on the batches' rows (callhooks.py)
+        placeholder.train(module.training)  # (a hook reads it: NEFTune adds noise in training)
         # the gradient parameter a pipe on the table will adopt (an optimizer built now holds
         # it); a weight frozen before (requires_grad False) leaves the table frozen, as it was
         empty = torch.empty(0, weight.shape[1], device=weight.device)
@@ -207,6 +209,7 @@ class OffloadedEmbedding(nn.Module):
         replaced, times its scale (or the table's ``recorded`` one, multiplied ``in_model``, if it
         knows none): before the hooks where the embedding scales, after them where the model's
         forward does (NOTE [ Hooks on the offloaded embedding ] in ``callhooks.py``)."""
+        gathered = embeds
         if embeds.dtype != self.dtype:
             embeds = embeds.to(self.dtype)
         if self.embed_scale is not None:
@@ -214,10 +217,14 @@ class OffloadedEmbedding(nn.Module):
         else:
             scale = recorded
         if scale is None:
-            return forward_hooks(self, embeds, ids)
-        if in_model:
-            return scaled(forward_hooks(self, embeds, ids), scale)
-        return forward_hooks(self, scaled(embeds, scale), ids)
+            embeds = forward_hooks(self, embeds, ids)
+        elif in_model:
+            embeds = scaled(forward_hooks(self, embeds, ids), scale)
+        else:
+            embeds = forward_hooks(self, scaled(embeds, scale), ids)
+        if has_hooks(self):  # a second forward pass on this read runs them again (read_once)
+            Hooked.on(embeds, partial(self.finish, gathered, recorded, ids, in_model=in_model))
+        return embeds
 
     def restore(self, weight: torch.Tensor, recorded: Any = None) -> nn.Module:
         """The replaced module again (an ``nn.Embedding`` for one made by hand), holding

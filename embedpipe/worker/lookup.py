@@ -133,25 +133,27 @@ class _Checked:
     an attribute they lack reaches the user's dataset. Accelerate's ``set_epoch`` (which Trainer
     calls every epoch) calls ``loader.dataset.set_epoch`` only if it has one: without this, a
     Hugging Face streaming dataset's shuffle kept its first epoch's order in every epoch, without
-    an error. A curriculum that sets ``loader.dataset.max_length`` reaches it too."""
+    an error. A curriculum that sets ``loader.dataset.max_length`` reaches it too. The wrapper's
+    own fields have names no dataset uses: a ``datasets.Dataset``'s ``num_rows``, a ``Subset``'s
+    ``dataset``, read through it, are the user's."""
 
-    _OWN = frozenset({"dataset", "ids_key", "num_rows"})
+    _OWN = frozenset({"_embedpipe_dataset", "_embedpipe_ids_key", "_embedpipe_num_rows"})
 
     def __init__(self, dataset: Any, ids_key: str, num_rows: int) -> None:
-        self.dataset = dataset
-        self.ids_key = ids_key
-        self.num_rows = num_rows
+        self._embedpipe_dataset = dataset
+        self._embedpipe_ids_key = ids_key
+        self._embedpipe_num_rows = num_rows
 
     def __getattr__(self, name: str) -> Any:  # only for names the wrapper itself lacks
         if name in self._OWN or name.startswith("__"):  # (unpickling: not yet set)
             raise AttributeError(name)
-        return getattr(self.dataset, name)
+        return getattr(self._embedpipe_dataset, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self._OWN:
             object.__setattr__(self, name, value)
         else:
-            setattr(self.dataset, name, value)
+            setattr(self._embedpipe_dataset, name, value)
 
 
 class CheckedDataset(_Checked, Dataset):
@@ -163,16 +165,25 @@ class CheckedDataset(_Checked, Dataset):
     """
 
     def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+        return len(self._embedpipe_dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, index: Any) -> Any:
-        return check_sample(self.dataset[index], self.ids_key, self.num_rows, f"sample {index}")
+        return check_sample(
+            self._embedpipe_dataset[index],
+            self._embedpipe_ids_key,
+            self._embedpipe_num_rows,
+            f"sample {index}",
+        )
 
     def __getitems__(self, indices: list[Any]) -> Any:
-        getitems = getattr(self.dataset, "__getitems__", None)
-        samples = getitems(indices) if callable(getitems) else [self.dataset[i] for i in indices]
+        getitems = getattr(self._embedpipe_dataset, "__getitems__", None)
+        samples = (
+            getitems(indices)
+            if callable(getitems)
+            else [self._embedpipe_dataset[i] for i in indices]
+        )
         if isinstance(samples, list) and len(samples) == len(indices):
-            check_samples(samples, indices, self.ids_key, self.num_rows)
+            check_samples(samples, indices, self._embedpipe_ids_key, self._embedpipe_num_rows)
         return samples  # anything else is checked as a batch, after the collate
 
 
@@ -180,13 +191,18 @@ class CheckedIterable(_Checked, IterableDataset):
     """The user's iterable dataset, with each sample's ids checked as it streams."""
 
     def __len__(self) -> int:  # the loader's len(), as the DataLoader's: the dataset's, or raises
-        return len(self.dataset)  # type: ignore[arg-type]
+        return len(self._embedpipe_dataset)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         where = f" of worker {info.id}" if info is not None else ""
-        for n, sample in enumerate(self.dataset):
-            yield check_sample(sample, self.ids_key, self.num_rows, f"sample {n}{where}'s stream")
+        for n, sample in enumerate(self._embedpipe_dataset):
+            yield check_sample(
+                sample,
+                self._embedpipe_ids_key,
+                self._embedpipe_num_rows,
+                f"sample {n}{where}'s stream",
+            )
 
 
 def check_samples(samples: list[Any], indices: list[Any], ids_key: str, num_rows: int) -> None:

@@ -91,6 +91,7 @@ class EpochStream(Stream):
     def __init__(self, samples):
         super().__init__(samples)
         self.epoch, self.max_length = 0, 99
+        self.num_rows = len(samples)  # as a datasets.Dataset has, as the pipe's table has
 
     def set_epoch(self, epoch):
         self.epoch = epoch
@@ -108,7 +109,11 @@ class EpochStream(Stream):
             yield {"input_ids": self.samples[i]["input_ids"][: self.max_length]}
 
 
-@pytest.mark.parametrize("dataset", [EpochStream, list])
+def subset(samples):
+    return torch.utils.data.Subset(samples, range(len(samples)))
+
+
+@pytest.mark.parametrize("dataset", [EpochStream, list, subset])
 def test_the_loaders_dataset_is_the_users_as_frameworks_reach_it(tmp_path, dataset):
     """loader.dataset wraps the user's dataset (its ids are checked): Accelerate's set_epoch
     (Trainer calls it every epoch) and a loop that sets an attribute reach the user's, and len()
@@ -122,6 +127,10 @@ def test_the_loaders_dataset_is_the_users_as_frameworks_reach_it(tmp_path, datas
         if dataset is list:
             assert loader.dataset.index(DATA[0]) == 0  # the list's own method
             return
+        if dataset is subset:
+            assert loader.dataset.dataset is DATA and loader.dataset.indices == data.indices
+            return
+        assert loader.dataset.num_rows == len(DATA)  # not the table's 1000 rows
         firsts = []
         for epoch in range(2):
             if hasattr(loader.dataset, "set_epoch"):  # as accelerate.DataLoaderShard does

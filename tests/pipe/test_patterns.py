@@ -738,10 +738,11 @@ def test_hooks_that_cannot_run_on_the_batches_rows_raise(tmp_path):
         del other
 
 
-def test_two_forward_passes_run_the_hooks_twice_or_raise(tmp_path):
+@pytest.mark.parametrize("reads", ["one read a pass", "one read for both"])
+def test_two_forward_passes_run_the_hooks_twice(tmp_path, reads):
     """R-Drop, SimCSE: two forward passes on one batch. nn.Embedding runs its hooks at each (two
-    noises); read batch['inputs_embeds'] once per pass and the pipe does the same; pass one read
-    to the model twice and it raises, where the hooks would have run once."""
+    noises): so does the pipe, whether the loop reads batch['inputs_embeds'] for each pass or
+    gives one read to both (the second pass runs them anew on the read's rows)."""
 
     def two_passes(model, inputs):
         first, second = model(**inputs()), model(**inputs())
@@ -759,14 +760,67 @@ def test_two_forward_passes_run_the_hooks_twice_or_raise(tmp_path):
     with offloaded(tmp_path, model) as pipe:
         optimizer = one_optimizer(model, pipe)
         for batch in pipe.loader(samples(12), batch_size=4):
-            two_passes(model, lambda b=batch: {"inputs_embeds": b["inputs_embeds"]}).backward()
+            read = batch["inputs_embeds"] if reads == "one read for both" else None
+            embeds = (
+                (lambda r=read: r) if read is not None else (lambda b=batch: b["inputs_embeds"])
+            )
+            two_passes(model, lambda e=embeds: {"inputs_embeds": e()}).backward()
             optimizer.step()
             optimizer.zero_grad()
         assert torch.equal(table(pipe), reference.emb.weight)
         assert torch.equal(model.lin.weight, reference.lin.weight)
+
+
+def test_a_checkpoint_recomputing_the_forward_sees_the_first_passes_rows(tmp_path):
+    """A non-reentrant activation checkpoint around the model recomputes its forward in the
+    backward pass, with torch's generator put back: the hooks' noise is the first pass's, as
+    nn.Embedding's would be."""
+    checkpointed = lambda model, **inputs: torch.utils.checkpoint.checkpoint(  # noqa: E731
+        model, use_reentrant=False, **inputs
+    )
+    reference = Toy()
+    reference.emb.register_forward_hook(noise)
+    batch = next(iter(torch.utils.data.DataLoader(samples(4), batch_size=4)))
+    torch.manual_seed(3)
+    checkpointed(reference, input_ids=batch["input_ids"]).square().sum().backward()
+    model = Toy()
+    model.emb.register_forward_hook(noise)
+    with offloaded(tmp_path, model) as pipe:
+        batch = next(iter(pipe.loader(samples(4), batch_size=4)))
+        torch.manual_seed(3)
+        checkpointed(model, inputs_embeds=batch["inputs_embeds"]).square().sum().backward()
+        assert torch.equal(model.lin.weight.grad, reference.lin.weight.grad)
+
+
+def test_what_the_hooks_did_not_see_is_refused(tmp_path):
+    """A slice or a concatenation of a read: the hooks ran on other rows than the model is
+    given (NEFTune's noise depends on the shape). Unless every hook gives the same rows
+    wherever it runs (transformers' enable_input_require_grads)."""
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        handle = model.get_input_embeddings().register_forward_hook(noise)
+        batch = next(iter(pipe.loader(samples(4), batch_size=4)))
         read = batch["inputs_embeds"]
-        with pytest.raises(embedpipe.errors.EmbeddingsOffloadedError, match="reached Toy twice"):
-            two_passes(model, lambda: {"inputs_embeds": read})
+        with pytest.raises(embedpipe.errors.EmbeddingsOffloadedError, match="a part of a read"):
+            model(inputs_embeds=read[:, :-1])
+        with pytest.raises(embedpipe.errors.EmbeddingsOffloadedError, match="not a read of"):
+            model(inputs_embeds=torch.cat([read, read]))
+        handle.remove()
+
+        def make_inputs_require_grads(module, args, output):  # as transformers names it
+            output.requires_grad_(True)
+
+        model.get_input_embeddings().register_forward_hook(make_inputs_require_grads)
+        read = batch["inputs_embeds"]
+        model(inputs_embeds=read[:2]) + model(inputs_embeds=torch.cat([read, read]))[:2]
+
+
+def test_a_model_put_in_eval_mode_before_offload_stays_there(tmp_path):
+    """The placeholder takes the replaced module's mode: a hook that reads it (NEFTune adds
+    noise in training only) sees the model's."""
+    model = Toy().eval()
+    with offloaded(tmp_path, model):
+        assert not model.get_input_embeddings().training
 
 
 def test_a_pipe_on_a_copy_of_the_table_runs_the_models_hooks(tmp_path):
