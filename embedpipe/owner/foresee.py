@@ -49,6 +49,7 @@ import signal
 import stat
 import struct
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -285,14 +286,23 @@ def _serve(
         _write_all(out, _HEADER.pack(_END, 0))
 
 
-def silent(batches: int) -> str:
-    """Why a stream stops whose child sent no batch while the loop claimed ``batches``: a child
-    stuck in the dataset would keep the policy waiting for foresight without a word (seen: a
-    torch thread pool forked while it ran hung the child at its first parallel op)."""
+#: A child silent while the loop claims its batches is stuck only after this long, too: on a
+#: busy host, tiny batches are claimed faster than a forked child starts (seen in the tests).
+SILENT_SECONDS = 1.0
+
+
+def silent(batches: int, since: float) -> str | None:
+    """Why a stream stops whose child, started at ``since`` (``time.monotonic``), sent no batch
+    while the loop claimed ``batches``, once :data:`SILENT_SECONDS` have passed too (None
+    before): a child stuck in the dataset would keep the policy waiting for foresight without a
+    word (seen: a torch thread pool forked while it ran hung the child at its first parallel
+    op)."""
+    if time.monotonic() - since < SILENT_SECONDS:
+        return None
     return (
         f"the process that reads the batches ahead sent none while the loop took {batches} "
-        "(is the dataset blocked in a process forked from this one? a lock, a thread pool or a "
-        "connection may not survive fork())"
+        "batches or more, over a second or more (is the dataset blocked in a process forked "
+        "from this one? a lock, a thread pool or a connection may not survive fork())"
     )
 
 

@@ -181,8 +181,7 @@ class Stream:
         order: Ahead | None = None,
     ) -> None:
         """``ids``: the child reading the ids of the batches from number ``first`` (the next
-        the DataLoader draws); ``order``: the sampler's iterator as the DataLoader draws it, in
-        this process (an owner process is told each draw instead: :meth:`_drawn`)."""
+        drawn); ``order``: the sampler's iterator as drawn here (owner process: :meth:`_drawn`)."""
         self.owner = owner
         self.source = source  # the loader's PipeSource: its hand-offs are this stream's batches
         self.policy = owner.cache.policy
@@ -201,6 +200,7 @@ class Stream:
         self.filled = first - 1  # the last dispatched batch whose misses were read
         self.filling: int | None = None  # the dispatched batch whose misses are being read
         self.first_received = self.last_received = -1  # the child's first batch, its latest
+        self.started = time.monotonic()
         self.first_foreseen: int | None = None  # ... and of the first it sent in time
         self.ended, self.failure = False, None  # the child sent its last batch; its error
         #: per claim judged (foreseen in time, from ``judged_from``): it matched a foreseen one
@@ -270,7 +270,7 @@ class Stream:
             if self.judged_from is None:  # the epoch's first prefetch races the child: not judged
                 self.judged_from = self.dispatched + 1
             if self.first_received < 0 and number - self.judged_from >= 2 * JUDGED_BATCHES:
-                self.failure = self.failure or silent(2 * JUDGED_BATCHES)  # stuck: stop it
+                self.failure = self.failure or silent(2 * JUDGED_BATCHES, self.started)
             if self.first_foreseen is not None:  # nor a batch dispatched before foresight began
                 if number >= max(self.first_foreseen, self.judged_from):
                     self.matched.append(found is not None)

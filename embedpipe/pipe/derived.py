@@ -152,9 +152,10 @@ def read_once(signature: inspect.Signature, module: nn.Module, args: tuple, kwar
     (NOTE [ Hooks on the offloaded embedding ] in ``callhooks.py``) would have returned there:
     the read they ran on, or at a second forward pass on that read (R-Drop, a second
     evaluation) the read again, the hooks run anew as at each call of ``nn.Embedding`` (not in a
-    checkpoint's recomputation during backward, which must see the first pass's rows). Anything else (a slice of a read, a copy, a concatenation, a cast) had
-    the hooks run on other rows than the model is given: it raises, unless every hook gives the
-    same rows wherever it runs (``enable_input_require_grads``)."""
+    checkpoint's recomputation during backward, which must see the first pass's rows).
+    Anything else (a slice of a read, a copy, a concatenation, a cast) had the hooks run on
+    other rows than the model is given: it raises, unless every hook gives the same rows
+    wherever it runs (``enable_input_require_grads``)."""
     bound = _bound(signature, args, kwargs)
     embeds = None if bound is None else bound.arguments.get("inputs_embeds")
     placeholder = next((c for c in module.children() if isinstance(c, OffloadedEmbedding)), None)

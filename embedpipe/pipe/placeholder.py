@@ -59,8 +59,8 @@ def finish_embeds(
     ``rowscale.py``), through the hooks on their embedding (NOTE [ Hooks on the offloaded
     embedding ] in ``callhooks.py``). A placeholder that knows no scale (one built by hand) takes
     the one the table ``recorded`` at ``offload`` (multiplied ``in_model``, or in the module), as
-    does a process with no model (``embedpipe convert``). Models on one table that disagree on any of these raise: a batch cannot tell
-    which one will read it."""
+    does a process with no model (``embedpipe convert``). Models on one table that disagree on
+    any of these raise: a batch cannot tell which one will read it."""
     modules = offloaded_embeddings(path)
     if not modules:
         return embeds if recorded is None else scaled(embeds, recorded)

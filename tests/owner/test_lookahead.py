@@ -622,7 +622,8 @@ class HangsWhenForeseen(torch.utils.data.Dataset):
 
 @pytest.mark.parametrize("owner", ["thread", "process"])
 def test_a_foresight_child_stuck_in_the_dataset_is_ended_and_named(tmp_path, owner):
-    """A child that sends nothing while the loop takes 32 batches is stuck: the pipe ends it,
+    """A child that sends nothing while the loop takes 32 batches, and for a second, is stuck
+    (a busy host can take tiny batches faster than a fork starts): the pipe ends it,
     warns once why, runs as LFU, and trains exactly (the lookahead policy, which never gives up
     on wrong foresight, included): the table as a pipe with ``lfu`` from the start trains it."""
     tokens = np.minimum(np.random.default_rng(5).zipf(1.2, (80 * 8, 8)), 299).astype(np.int64)
@@ -637,6 +638,7 @@ def test_a_foresight_child_stuck_in_the_dataset_is_ended_and_named(tmp_path, own
             for batch in pipe.loader(HangsWhenForeseen(tokens), batch_size=8, num_workers=2):
                 (batch["inputs_embeds"] ** 2).sum().backward()
                 pipe.step()
+                time.sleep(0.02)  # 80 batches over more than the second a silent child gets
             assert pipe.stats()["batches"] == 80
             pipe.flush()
             tables.append(pipe.table.to_tensor())
