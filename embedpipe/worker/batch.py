@@ -81,9 +81,29 @@ class _Gathered:
 
 def gathered_ids(embeds: Any, on_device: bool = True) -> torch.Tensor | None:
     """The (B, L) ids ``embeds`` were gathered for, if a batch of a pipe made them: on their
-    device, or on the host (``on_device=False``)."""
-    gathered = getattr(embeds, GATHERED_IDS, None) if isinstance(embeds, torch.Tensor) else None
-    return None if gathered is None else gathered(on_device)
+    device, or on the host (``on_device=False``). Also for a reshaped view of such a batch
+    (a multiple-choice model views its (B, C, L, D) ``inputs_embeds`` as (B * C, L, D))."""
+    if not isinstance(embeds, torch.Tensor):
+        return None
+    gathered = getattr(embeds, GATHERED_IDS, None)
+    if gathered is not None:
+        return gathered(on_device)
+    base = embeds._base
+    gathered = None if base is None else getattr(base, GATHERED_IDS, None)
+    if gathered is None or not _reshaped(embeds, base):
+        return None
+    return gathered(on_device).reshape(embeds.shape[:-1])
+
+
+def _reshaped(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """``view`` has ``base``'s rows in ``base``'s order: a reshape, not a slice or transpose."""
+    return (
+        view.numel() == base.numel()
+        and view.shape[-1] == base.shape[-1]
+        and view.is_contiguous()
+        and base.is_contiguous()
+        and view.data_ptr() == base.data_ptr()
+    )
 
 
 class Owner(Protocol):
@@ -393,7 +413,9 @@ class EmbeddedBatch(Mapping[str, Any]):
         # hooks on the model's embedding (NEFTune...)
         if self._owner is not None:
             embeds = self._owner.finish_embeds(embeds, gathered)
-        setattr(embeds, GATHERED_IDS, gathered)
+        for tensor in (embeds, embeds._base):  # (a view's: the model's view of it has that base)
+            if tensor is not None and tensor.numel() == embeds.numel():
+                setattr(tensor, GATHERED_IDS, gathered)
         return embeds
 
     def __contains__(self, key: object) -> bool:

@@ -427,6 +427,9 @@ def classifier(name: str) -> torch.nn.Module:
         "RobertaForSequenceClassification": lambda: transformers.RobertaConfig(
             **sizes, num_hidden_layers=2, max_position_embeddings=64
         ),
+        "RobertaForMultipleChoice": lambda: transformers.RobertaConfig(
+            **sizes, num_hidden_layers=2, max_position_embeddings=64
+        ),
         "XLMRobertaForMaskedLM": lambda: transformers.XLMRobertaConfig(
             **sizes, num_hidden_layers=2, max_position_embeddings=64, tie_word_embeddings=False
         ),
@@ -477,6 +480,18 @@ def test_positions_numbered_from_the_ids_are_numbered_from_the_gathered_ids(tmp_
     ids, mask = padded(where)
     with torch.no_grad():
         expected = model(input_ids=ids, attention_mask=mask)[0]
+    assert torch.equal(pipe_embeds(tmp_path, model, ids, mask), expected)
+
+
+@pytest.mark.parametrize("where", ["left", "inside"])
+def test_positions_of_a_multiple_choice_batch_are_numbered_from_its_ids(tmp_path, where):
+    """RobertaForMultipleChoice views its (B, C, L) inputs_embeds as (B * C, L, D) before the
+    embedding block: the view carries no ids of its own, and its base's are used."""
+    model = classifier("RobertaForMultipleChoice")
+    ids, mask = padded(where)
+    ids, mask = ids[None], mask[None]  # one question, three choices
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
     assert torch.equal(pipe_embeds(tmp_path, model, ids, mask), expected)
 
 
