@@ -199,6 +199,9 @@ def run(ddp, model, pipe, opt, workers: int, clip: float, steps: range, die_at: 
         if step < steps.start:
             continue  # a resumed run skips the batches trained before its checkpoint
         if step == die_at:
+            # every rank has claimed this batch first: a rank still on its way there would find
+            # the job dropped by its service once the first died (seen once in CI: exit 1)
+            dist.barrier()
             os._exit(0)  # a crash: nothing closed, nothing flushed
         out = ddp(
             inputs_embeds=batch["inputs_embeds"],
