@@ -185,8 +185,10 @@ def peer_of(sock: socket.socket) -> tuple[int, int]:
 @contextlib.contextmanager
 def interrupts_held() -> Iterator[Callable[[], None] | None]:
     """Hold SIGINT back (in the main thread, under Python's own handler) while a message
-    crosses; yields the check that raises the held ``KeyboardInterrupt`` (called while nothing
-    has crossed yet), and raises it at the end if it was not raised before."""
+    crosses, and SIGCHLD under a Python handler (the DataLoader's raises ``RuntimeError`` when
+    a worker died: raised mid-message, it left the connection out of step, seen in CI); yields
+    the check that raises what was held (called while nothing has crossed yet), and raises it
+    at the end if it was not raised before."""
     if (
         threading.current_thread() is not threading.main_thread()
         or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
@@ -194,15 +196,27 @@ def interrupts_held() -> Iterator[Callable[[], None] | None]:
         yield None
         return
     held: list[int] = []
+    child = getattr(signal, "SIGCHLD", None)
+    on_child = signal.getsignal(child) if child is not None else None
+    if not callable(on_child):
+        on_child = None
 
     def interrupted() -> None:
         if held:
+            signals = set(held)
             held.clear()
-            raise KeyboardInterrupt
+            if signal.SIGINT in signals:
+                raise KeyboardInterrupt
+            if on_child is not None:
+                on_child(child, None)  # as it would have run: raises if a worker died
 
     signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    if on_child is not None:
+        signal.signal(child, lambda signum, frame: held.append(signum))
     try:
         yield interrupted
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        if on_child is not None:
+            signal.signal(child, on_child)
     interrupted()
