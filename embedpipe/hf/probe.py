@@ -39,7 +39,7 @@ from torch import nn
 
 from ..errors import EmbeddingsOffloadedError, InvalidRowsError
 from ..pipe.callhooks import has_hooks, hooks_set_aside
-from ..pipe.derived import text_config
+from ..pipe.derived import alias, text_config
 from ..pipe.placeholder import OffloadedEmbedding
 from ..pipe.rowscale import devices, same, scaled
 from ..worker.batch import GATHERED_IDS
@@ -152,7 +152,7 @@ def refuse_displacing(
     with swapped_in(model, placeholder) as after:
         pass
     displaced = [
-        n for n, m in after.items() if m is placeholder and not _alias(before.get(n), embeddings)
+        n for n, m in after.items() if m is placeholder and not alias(before.get(n), embeddings)
     ]
     if displaced:
         raise InvalidRowsError(
@@ -172,20 +172,6 @@ def refuse_displacing(
             "get_input_embeddings() only. Remove them and register them on "
             "model.get_input_embeddings() after offload"
         )
-
-
-def _alias(module: nn.Module | None, embeddings: nn.Module) -> bool:
-    """``module`` is ``embeddings``, or a module of its class over the same weight (transformers
-    5 ties an encoder's and a decoder's embedding to the shared one by their weight)."""
-    if module is embeddings:
-        return True
-    weight = getattr(module, "weight", None)
-    return (
-        type(module) is type(embeddings)
-        and isinstance(weight, torch.Tensor)
-        and weight.shape == embeddings.weight.shape
-        and weight.data_ptr() == embeddings.weight.data_ptr()
-    )
 
 
 def _no_cache(module: nn.Module) -> dict[str, Any]:

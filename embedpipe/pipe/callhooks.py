@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from ..errors import EmbeddingsOffloadedError
+from ..worker.batch import mark
 
 #: The attribute of ``inputs_embeds`` whose rows went through the hooks: a :class:`Hooked`.
 HOOKED = "_embedpipe_hooked"
@@ -152,10 +153,7 @@ class Hooked:
         shape = tuple(output.shape)
         if len(shape) > 3:  # as forward_hooks gave it to them: (B * C, L, D)
             shape = (math.prod(shape[:-2]), *shape[-2:])
-        tag = cls(again, shape)
-        for tensor in (output, output._base):  # (the model's view of a reshaped one has that base)
-            if tensor is not None:
-                setattr(tensor, HOOKED, tag)
+        mark(output, HOOKED, cls(again, shape))
 
     @staticmethod
     def of(embeds: torch.Tensor) -> Hooked | None:

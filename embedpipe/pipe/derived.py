@@ -72,7 +72,9 @@ def watch(model: nn.Module, embeddings: nn.Module | None = None) -> list[tuple[n
         if "inputs_embeds" not in signature.parameters:
             continue
         hooks = []
-        if embeddings is not None and any(_holds(c, embeddings) for c in module.children()):
+        if embeddings is not None and any(
+            isinstance(c, OffloadedEmbedding) or alias(c, embeddings) for c in module.children()
+        ):
             hooks.append(read_once)
         if "input_ids" in signature.parameters:
             if "create_position_ids_from_input_ids" in source:
@@ -132,14 +134,15 @@ def _positions_from_ids(
     return bound.args, bound.kwargs
 
 
-def _holds(child: nn.Module, embeddings: nn.Module) -> bool:
-    """``child`` is the word embedding: the module, its placeholder, or another module over the
-    same weight (BART's ``encoder.embed_tokens`` beside ``shared``, which offload replaces too)."""
-    if child is embeddings or isinstance(child, OffloadedEmbedding):
+def alias(module: nn.Module | None, embeddings: nn.Module) -> bool:
+    """``module`` is ``embeddings``, or a module of its class over the same weight (transformers
+    5 ties an encoder's and a decoder's embedding to the shared one by their weight: BART's
+    ``encoder.embed_tokens`` beside ``shared``, which offload replaces too)."""
+    if module is embeddings:
         return True
-    mine, theirs = getattr(child, "weight", None), getattr(embeddings, "weight", None)
+    mine, theirs = getattr(module, "weight", None), getattr(embeddings, "weight", None)
     return (
-        type(child) is type(embeddings)
+        type(module) is type(embeddings)
         and isinstance(mine, torch.Tensor)
         and isinstance(theirs, torch.Tensor)
         and mine.shape == theirs.shape

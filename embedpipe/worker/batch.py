@@ -79,6 +79,15 @@ class _Gathered:
         return ids.to(self.device, non_blocking=True)
 
 
+def mark(tensor: torch.Tensor, name: str, value: Any) -> None:
+    """Set attribute ``name`` of ``tensor``, and of its base if it is a view of all of it: a
+    model's reshape of it (a multiple-choice model's ``view``) has that base, not ``tensor``."""
+    base = tensor._base
+    for marked in (tensor, base if base is not None and base.numel() == tensor.numel() else None):
+        if marked is not None:
+            setattr(marked, name, value)
+
+
 def gathered_ids(embeds: Any, on_device: bool = True) -> torch.Tensor | None:
     """The (B, L) ids ``embeds`` were gathered for, if a batch of a pipe made them: on their
     device, or on the host (``on_device=False``). Also for a reshaped view of such a batch
@@ -413,9 +422,7 @@ class EmbeddedBatch(Mapping[str, Any]):
         # hooks on the model's embedding (NEFTune...)
         if self._owner is not None:
             embeds = self._owner.finish_embeds(embeds, gathered)
-        for tensor in (embeds, embeds._base):  # (a view's: the model's view of it has that base)
-            if tensor is not None and tensor.numel() == embeds.numel():
-                setattr(tensor, GATHERED_IDS, gathered)
+        mark(embeds, GATHERED_IDS, gathered)
         return embeds
 
     def __contains__(self, key: object) -> bool:

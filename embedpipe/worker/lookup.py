@@ -155,6 +155,9 @@ class _Checked:
         else:
             setattr(self._embedpipe_dataset, name, value)
 
+    def __len__(self) -> int:  # the loader's len(), as the DataLoader's: the dataset's, or raises
+        return len(self._embedpipe_dataset)  # type: ignore[arg-type]
+
 
 class CheckedDataset(_Checked, Dataset):
     """The user's map-style dataset, with each sample's ids checked where the index is known.
@@ -163,9 +166,6 @@ class CheckedDataset(_Checked, Dataset):
     dataset has one), which checks them together: one range check over the batch's ids costs
     what two per sample did (measured: 300 us a batch of 32 samples, against 30 us).
     """
-
-    def __len__(self) -> int:
-        return len(self._embedpipe_dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, index: Any) -> Any:
         return check_sample(
@@ -189,9 +189,6 @@ class CheckedDataset(_Checked, Dataset):
 
 class CheckedIterable(_Checked, IterableDataset):
     """The user's iterable dataset, with each sample's ids checked as it streams."""
-
-    def __len__(self) -> int:  # the loader's len(), as the DataLoader's: the dataset's, or raises
-        return len(self._embedpipe_dataset)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
