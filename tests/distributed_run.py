@@ -713,8 +713,53 @@ def trainer_run(folder: str, accumulation: str) -> None:
     }
     pipe.close()
     resumed_pipe.close()
+    if accumulation == "1":
+        result["streamed"] = streamed(folder)
     if dist.get_rank() == 0:
         torch.save(result, os.path.join(folder, "result.pt"))
+
+
+def streamed(folder: str) -> dict:
+    """A Hugging Face streaming dataset of 4 files through Trainer over the 2 ranks: with
+    ``dispatch_batches=False`` each rank's batches (a file shard of its own) as
+    ``transformers.Trainer``'s; left unset (Trainer would dispatch batches from rank 0),
+    ``embedpipe.hf.Trainer`` raises. Each rank's outcome, gathered."""
+    import datasets
+    import transformers
+
+    from tests.frameworks import VOCAB, bert, offloaded, samples
+    from tests.hf.test_hf_trainer import arguments
+
+    rows = [{k: v.tolist() for k, v in sample.items()} for sample in samples(32)]
+    stream = datasets.Dataset.from_list(rows).to_iterable_dataset(num_shards=4)
+    undispatched = {"dispatch_batches": False}
+
+    def ids(trainer) -> list[list[list[int]]]:
+        return [batch["input_ids"].tolist() for batch in trainer.get_train_dataloader()]
+
+    def args(**options):
+        return arguments(os.path.join(folder, "streamed"), max_steps=4, **options)
+
+    reference = transformers.Trainer(
+        model=bert(), args=args(accelerator_config=undispatched), train_dataset=stream
+    )
+    model = bert()
+    pipe = offloaded(model, os.path.join(folder, "streamed.zarr"), cache_rows=VOCAB // 20)
+    run = embedpipe.hf.Trainer(
+        model=model, args=args(accelerator_config=undispatched), train_dataset=stream, pipe=pipe
+    )
+    expected, got = ids(reference), ids(run)
+    run = embedpipe.hf.Trainer(model=model, args=args(), train_dataset=stream, pipe=pipe)
+    try:
+        run.get_train_dataloader()
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    pipe.close()
+    outcome = {"same": expected == got, "ids": got, "refused": refused}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, outcome)
+    return {"ranks": gathered}
 
 
 def lightning_ddp(folder: str) -> None:

@@ -222,3 +222,15 @@ def slow(*values: object) -> Any:
     """One case of a parametrized grid, run in the slow group (``--run-slow -m slow``, as CI
     does) rather than by the README's test command."""
     return pytest.param(*values, marks=pytest.mark.slow)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """An iterable dataset: each worker streams its share of the samples."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        yield from self.samples[worker::workers]

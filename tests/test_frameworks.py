@@ -26,7 +26,7 @@ from .frameworks import (
     samples,
     with_adagrad_table,
 )
-from .helpers import slow
+from .helpers import Stream, slow
 
 pytest.importorskip("transformers")
 
@@ -297,6 +297,59 @@ def test_accelerate_prepares_the_loader_and_trains_the_same_table(tmp_path):
         torch.equal(v, dense_state(reference)[k]) for k, v in dense_state(runs["whole"][1]).items()
     )
     assert torch.equal(runs["resumed"][0], expected)  # load_state + skip_first_batches
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("kind", ["huggingface", "shuffled", "torch", "map-style"])
+def test_accelerate_gives_each_process_the_samples_it_gives_without_embedpipe(
+    tmp_path, kind, workers
+):
+    """Accelerate's ``prepare`` over 2 processes (``dispatch_batches=False``) splits a dataset by
+    its type: a Hugging Face stream into file shards, another iterable into slices of groups of
+    batches, a map-style one by its batch sampler. Each process's batches through the pipe's
+    loader are those of a DataLoader over the same dataset, and their embeddings its rows."""
+    accelerate = pytest.importorskip("accelerate")
+    data = samples(40)
+    if kind in ("huggingface", "shuffled"):
+        datasets = pytest.importorskip("datasets")
+        rows = [{k: v.tolist() for k, v in sample.items()} for sample in data]
+
+        def dataset():
+            stream = datasets.Dataset.from_list(rows).to_iterable_dataset(num_shards=4)
+            stream = stream.shuffle(seed=0, buffer_size=8) if kind == "shuffled" else stream
+            return stream.with_format("torch")
+    else:
+
+        def dataset():
+            return Stream(data) if kind == "torch" else data
+
+    def batches(loader, process):
+        prepared = accelerate.data_loader.prepare_data_loader(
+            loader,
+            num_processes=2,
+            process_index=process,
+            dispatch_batches=False,
+            put_on_device=False,
+        )
+        return list(prepared)
+
+    model = bert()
+    weight = model.get_input_embeddings().weight.detach().clone()
+    collate = embedpipe.collate.PadCollator(0, "input_ids")
+    with offloaded(model, tmp_path / "t.zarr") as pipe:
+        shares = []
+        for process in (0, 1):
+            loader = torch.utils.data.DataLoader(
+                dataset(), batch_size=4, num_workers=workers, collate_fn=collate
+            )
+            expected = [b["input_ids"] for b in batches(loader, process)]
+            loader = pipe.loader(dataset(), batch_size=4, num_workers=workers)
+            got = batches(loader, process)
+            assert [b["input_ids"].tolist() for b in got] == [e.tolist() for e in expected]
+            for batch in got:
+                assert torch.equal(batch["inputs_embeds"], weight[batch["input_ids"]])
+            shares.append(expected)
+        assert shares[0] and shares[1] and not torch.equal(shares[0][0], shares[1][0])
 
 
 # ------------------------------------------------------------------------------------ Lightning

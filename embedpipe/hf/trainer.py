@@ -90,8 +90,11 @@ class Trainer(transformers.Trainer):
             kwargs["data_collator"] = PadCollator(pipe.padding_idx, ids_key, hf_labels=True)
         arguments = kwargs.get("args", args[1] if len(args) > 1 else None)
         config = getattr(arguments, "accelerator_config", None)
-        if config is not None and getattr(config, "dispatch_batches", None) is None:
-            # one process: Accelerate would otherwise rebuild the batches of an iterable dataset
+        #: Accelerate's dispatch_batches was left unset (Trainer's default), and set False here.
+        self._undispatched = config is not None and getattr(config, "dispatch_batches", 0) is None
+        if self._undispatched:
+            # Accelerate would otherwise rebuild the batches of an iterable dataset, which an
+            # EmbeddedBatch refuses; over one process the batches are the same (_pipe_loader)
             config.dispatch_batches = False
         self._checkpointing = False
         super().__init__(*args, **kwargs)
@@ -179,6 +182,20 @@ class Trainer(transformers.Trainer):
                 params["worker_init_fn"] = partial(
                     seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index
                 )
+        processes = self.accelerator.num_processes
+        if (
+            self._undispatched
+            and processes > 1
+            and isinstance(dataset, torch.utils.data.IterableDataset)
+        ):
+            raise ValueError(
+                f"transformers.Trainer over {processes} processes reads an iterable dataset in "
+                "the main process and sends each process its batches (Accelerate's "
+                "dispatch_batches), which embedpipe cannot do: each process looks its batches "
+                "up itself. Pass TrainingArguments(accelerator_config={'dispatch_batches': "
+                "False}): each process then reads its own share of the stream, with or without "
+                "embedpipe"
+            )
         loader = self.pipe.loader(dataset, ids_key=self.ids_key, **params)
         loader = self.accelerator.prepare(loader)
         if isinstance(sampler, BatchRebalanceSampler):

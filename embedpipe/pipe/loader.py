@@ -33,7 +33,7 @@ from ..owner.lookahead import Foresight
 from ..worker.batch import EmbeddedBatch
 from ..worker.collate import PadCollator
 from ..worker.looked_up import LookedUp
-from ..worker.lookup import CheckedDataset, CheckedIterable, Lookup
+from ..worker.lookup import CheckedDataset, Lookup
 from ..worker.orphans import WatchParent, exit_reason
 
 if TYPE_CHECKING:
@@ -95,10 +95,8 @@ class PipeLoader(DataLoader):
     ) -> None:
         owner = pipe._owner
         table = owner.table
-        if isinstance(dataset, IterableDataset):
-            checked: Dataset = CheckedIterable(dataset, ids_key, table.num_rows)
-        else:
-            checked = CheckedDataset(dataset, ids_key, table.num_rows)
+        streamed = isinstance(dataset, IterableDataset)  # NOTE [ An iterable dataset as it is ]
+        checked = dataset if streamed else CheckedDataset(dataset, ids_key, table.num_rows)
         ring = None
         if num_workers > 0 and owner.workers_read_shared:
             # one slot more than batches in flight, one more for a batch a framework holds
@@ -130,7 +128,9 @@ class PipeLoader(DataLoader):
             if ring is not None and owner.looks_ahead
             else None
         )
-        lookup = Lookup(collate_fn, ids_key, table, shared, ring, source, self._defer, owner.owned)
+        lookup = Lookup(
+            collate_fn, ids_key, table, shared, ring, source, self._defer, owner.owned, streamed
+        )
         super().__init__(
             checked,
             batch_size=batch_size,

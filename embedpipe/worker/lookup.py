@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset, get_worker_info
 
 from ..cache.ring import BatchRing
 from ..cache.sharedrows import SharedRows
@@ -50,8 +50,13 @@ class Lookup:
         source: Source,
         defer: SharedBlock | None = None,
         owned: tuple[int, int] | None = None,
+        streamed: bool = False,
     ) -> None:
         self.collate = collate
+        #: The samples come from an iterable dataset, unwrapped: checked here, as they come
+        #: (NOTE [ An iterable dataset as it is ]); ``_streamed`` counts them in this process.
+        self.streamed = streamed
+        self._streamed = 0
         #: A sharded pipe: the rows [lo, hi) this rank reads (the others come from their
         #: owners, at the read); None: every row.
         self.owned = None if owned in (None, (0, table.num_rows)) else owned
@@ -86,6 +91,8 @@ class Lookup:
     def __call__(self, samples: list[Any]) -> EmbeddedBatch:
         if get_worker_info() is not None:
             exit_with_parent(self.trainer)  # NOTE [ Workers die with the training process ]
+        if self.streamed:
+            self._check_streamed(samples)
         fields = self.collate(samples)
         if not isinstance(fields, Mapping) or self.ids_key not in fields:
             keys = list(fields) if isinstance(fields, Mapping) else type(fields).__name__
@@ -127,15 +134,41 @@ class Lookup:
         )
         return EmbeddedBatch._looked_up(item, self.key, self.ids_key, version)
 
+    # NOTE [ An iterable dataset as it is ]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A map-style dataset is wrapped (``CheckedDataset``), to check each sample's ids naming its
+    # index. An iterable dataset is given to the DataLoader as it is, because frameworks decide
+    # from its type how to split it over processes: Accelerate (``prepare`` with
+    # ``dispatch_batches=False``) gives each process a shard of its own of a Hugging Face
+    # ``datasets.IterableDataset`` (``.shard()``: other files), and slices of each group of
+    # batches of any other. Wrapped, a Hugging Face stream was split the second way: every
+    # process read other samples than it would have without embedpipe, and nothing said so.
+    # Its samples are checked here instead, as the collate receives them, named by their place
+    # in the stream this process (a worker, or the training process) has read.
 
-class _Checked:
-    """What both checked datasets share: ``loader.dataset`` is one of them, so reading or setting
-    an attribute they lack reaches the user's dataset. Accelerate's ``set_epoch`` (which Trainer
-    calls every epoch) calls ``loader.dataset.set_epoch`` only if it has one: without this, a
-    Hugging Face streaming dataset's shuffle kept its first epoch's order in every epoch, without
-    an error. A curriculum that sets ``loader.dataset.max_length`` reaches it too. The wrapper's
-    own fields have names no dataset uses: a ``datasets.Dataset``'s ``num_rows``, a ``Subset``'s
-    ``dataset``, read through it, are the user's."""
+    def _check_streamed(self, samples: Any) -> None:
+        batch = samples if isinstance(samples, list) else [samples]  # batch_size=None: one
+        info = get_worker_info()
+        where = f"by worker {info.id}" if info is not None else "in the training process"
+        first, self._streamed = self._streamed, self._streamed + len(batch)
+        names = [f"{first + n} streamed {where}" for n in range(len(batch))]
+        check_samples(batch, names, self.ids_key, self.num_rows)
+
+
+class CheckedDataset(Dataset):
+    """The user's map-style dataset, with each sample's ids checked where the index is known.
+
+    ``loader.dataset`` is this wrapper, so reading or setting an attribute it lacks reaches the
+    user's dataset: a curriculum that sets ``loader.dataset.max_length`` reaches it, and
+    Accelerate's ``set_epoch`` (which Trainer calls every epoch) finds the dataset's own. The
+    wrapper's fields have names no dataset uses: a ``datasets.Dataset``'s ``num_rows``, a
+    ``Subset``'s ``dataset``, read through it, are the user's. (An iterable dataset is not
+    wrapped: NOTE [ An iterable dataset as it is ].)
+
+    The DataLoader fetches a batch's samples through :meth:`__getitems__` (the user's own, if the
+    dataset has one), which checks them together: one range check over the batch's ids costs
+    what two per sample did (measured: 300 us a batch of 32 samples, against 30 us).
+    """
 
     _OWN = frozenset({"_embedpipe_dataset", "_embedpipe_ids_key", "_embedpipe_num_rows"})
 
@@ -158,15 +191,6 @@ class _Checked:
     def __len__(self) -> int:  # the loader's len(), as the DataLoader's: the dataset's, or raises
         return len(self._embedpipe_dataset)  # type: ignore[arg-type]
 
-
-class CheckedDataset(_Checked, Dataset):
-    """The user's map-style dataset, with each sample's ids checked where the index is known.
-
-    The DataLoader fetches a batch's samples through :meth:`__getitems__` (the user's own, if the
-    dataset has one), which checks them together: one range check over the batch's ids costs
-    what two per sample did (measured: 300 us a batch of 32 samples, against 30 us).
-    """
-
     def __getitem__(self, index: Any) -> Any:
         return check_sample(
             self._embedpipe_dataset[index],
@@ -185,21 +209,6 @@ class CheckedDataset(_Checked, Dataset):
         if isinstance(samples, list) and len(samples) == len(indices):
             check_samples(samples, indices, self._embedpipe_ids_key, self._embedpipe_num_rows)
         return samples  # anything else is checked as a batch, after the collate
-
-
-class CheckedIterable(_Checked, IterableDataset):
-    """The user's iterable dataset, with each sample's ids checked as it streams."""
-
-    def __iter__(self) -> Iterator[Any]:
-        info = get_worker_info()
-        where = f" of worker {info.id}" if info is not None else ""
-        for n, sample in enumerate(self._embedpipe_dataset):
-            yield check_sample(
-                sample,
-                self._embedpipe_ids_key,
-                self._embedpipe_num_rows,
-                f"sample {n}{where}'s stream",
-            )
 
 
 def check_samples(samples: list[Any], indices: list[Any], ids_key: str, num_rows: int) -> None:

@@ -16,7 +16,7 @@ from embedpipe.ids import unique_inverse
 from embedpipe.pipe import EmbeddingPipe
 from embedpipe.worker.looked_up import LookedUp
 
-from ..helpers import small_table, train_offloaded, train_reference, zipf_dataset
+from ..helpers import Stream, small_table, train_offloaded, train_reference, zipf_dataset
 
 DATA = zipf_dataset(96, seed=1)
 
@@ -58,18 +58,6 @@ def test_dataloader_options_keep_training_exact(tmp_path, reference, options):
     ):
         table, *_ = train_offloaded(DATA, "adagrad", lr=0.5, path=tmp_path / "t.zarr", **options)
     assert torch.equal(table, reference)
-
-
-class Stream(torch.utils.data.IterableDataset):
-    """An iterable dataset: each worker streams its share of the samples."""
-
-    def __init__(self, samples):
-        self.samples = samples
-
-    def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        yield from self.samples[worker::workers]
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -143,12 +131,17 @@ def test_the_loaders_dataset_is_the_users_as_frameworks_reach_it(tmp_path, datas
         assert not torch.equal(firsts[0][:, :3], firsts[1][:, :3])  # reshuffled
 
 
-def test_iterable_dataset_out_of_range_id_names_the_stream_position(tmp_path):
+@pytest.mark.parametrize(
+    "workers, where", [(0, "3 streamed in the training process"), (2, "1 streamed by worker 1")]
+)
+def test_iterable_dataset_out_of_range_id_names_the_stream_position(tmp_path, workers, where):
     embedpipe.Table.create(tmp_path / "t.zarr", 10, 4).close()
     data = [{"input_ids": torch.tensor([1, 2])}] * 3 + [{"input_ids": torch.tensor([1, 99])}]
     with EmbeddingPipe(tmp_path / "t.zarr", cache_rows=3) as pipe:
-        with pytest.raises(ValueError, match="sample 3's stream, 'input_ids': id 99 at position 1"):
-            list(pipe.loader(Stream(data), batch_size=2))
+        loader = pipe.loader(Stream(data), batch_size=2, num_workers=workers)
+        assert type(loader.dataset) is Stream  # as it is: frameworks split it by its type
+        with pytest.raises(ValueError, match=f"sample {where}, 'input_ids': id 99 at position 1"):
+            list(loader)
 
 
 def test_bf16_autocast_trains_like_the_reference_under_autocast(tmp_path):

@@ -231,6 +231,12 @@ def test_hf_trainer_under_torchrun_trains_the_table_trainer_trains_with_nn_embed
         assert torch.equal(value, result["resumed_dense"][name]), name
     saved = transformers.BertForSequenceClassification.from_pretrained(folder / "saved")
     assert torch.equal(saved.get_input_embeddings().weight, got)
+    if accumulation == "1":  # a streaming dataset: each rank's share as Trainer's (streamed())
+        ranks = result["streamed"]["ranks"]
+        assert [rank["same"] for rank in ranks] == [True, True]
+        assert ranks[0]["ids"] and ranks[1]["ids"] and ranks[0]["ids"] != ranks[1]["ids"]
+        for rank in ranks:
+            assert "accelerator_config={'dispatch_batches': False}" in rank["refused"]
 
 
 @pytest.mark.slow
