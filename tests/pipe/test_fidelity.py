@@ -16,7 +16,14 @@ import random
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    Sampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 import embedpipe
 
@@ -309,6 +316,11 @@ CASES = {
     "sampler fed back": lambda: (Count(), {"sampler": SkipDone(200)}),
     "set_epoch": lambda: (Count(), {"sampler": EpochShuffle(200)}),
     "custom batch sampler": lambda: (Count(), {"batch_sampler": PairBatches(200)}),
+    "weighted sampler": lambda: (  # torch's global generator, at each epoch's start
+        Count(),
+        {"sampler": WeightedRandomSampler(torch.arange(1.0, 201.0), 120)},
+    ),
+    "subset sampler": lambda: (Count(), {"sampler": SubsetRandomSampler(range(0, 200, 2))}),
     "iterable": lambda: (NoisyStream(), {}),
     "HF datasets with set_transform": lambda: (hf_dataset(), {"shuffle": True}),
     "padded to each batch's longest": lambda: (
