@@ -723,7 +723,8 @@ def streamed(folder: str) -> dict:
     """A Hugging Face streaming dataset of 4 files through Trainer over the 2 ranks: with
     ``dispatch_batches=False`` each rank's batches (a file shard of its own) as
     ``transformers.Trainer``'s; left unset (Trainer would dispatch batches from rank 0),
-    ``embedpipe.hf.Trainer`` raises. Each rank's outcome, gathered."""
+    ``embedpipe.hf.Trainer`` raises, also on arguments another Trainer was given before. Each
+    rank's outcome, gathered."""
     import datasets
     import transformers
 
@@ -749,9 +750,10 @@ def streamed(folder: str) -> dict:
         model=model, args=args(accelerator_config=undispatched), train_dataset=stream, pipe=pipe
     )
     expected, got = ids(reference), ids(run)
-    run = embedpipe.hf.Trainer(model=model, args=args(), train_dataset=stream, pipe=pipe)
+    unset = args()  # dispatch_batches left unset; first given to a Trainer of a map-style set
+    embedpipe.hf.Trainer(model=model, args=unset, train_dataset=samples(8), pipe=pipe)
     try:
-        run.get_train_dataloader()
+        embedpipe.hf.Trainer(model=model, args=unset, train_dataset=stream, pipe=pipe)
         refused = ""
     except ValueError as e:
         refused = str(e)

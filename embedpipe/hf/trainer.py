@@ -32,6 +32,7 @@ What it changes, and nothing else:
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -42,6 +43,7 @@ from typing import Any
 
 import torch
 import transformers
+from torch.utils.data import IterableDataset
 from transformers.trainer_pt_utils import BatchRebalanceSampler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, is_datasets_available
@@ -94,11 +96,37 @@ class Trainer(transformers.Trainer):
         self._undispatched = config is not None and getattr(config, "dispatch_batches", 0) is None
         if self._undispatched:
             # Accelerate would otherwise rebuild the batches of an iterable dataset, which an
-            # EmbeddedBatch refuses; over one process the batches are the same (_pipe_loader)
-            config.dispatch_batches = False
+            # EmbeddedBatch refuses; over one process the batches are the same, over several
+            # they are not (_refuse_dispatch). On a copy: the caller's arguments stay as given.
+            arguments = copy.copy(arguments)
+            arguments.accelerator_config = copy.copy(config)
+            arguments.accelerator_config.dispatch_batches = False
+            if "args" in kwargs:
+                kwargs["args"] = arguments
+            else:
+                args = (args[0], arguments, *args[2:])
         self._checkpointing = False
         super().__init__(*args, **kwargs)
         self._meter = PipeMeter(pipe)
+        evaluated = self.eval_dataset
+        if not isinstance(evaluated, dict):
+            evaluated = {"eval": evaluated}
+        for dataset in (self.train_dataset, *evaluated.values()):
+            self._refuse_dispatch(dataset)  # at once, not at the first evaluation
+
+    def _refuse_dispatch(self, dataset: Any) -> None:
+        """Over several processes, an iterable ``dataset`` whose batches transformers.Trainer
+        would dispatch from the main process (dispatch_batches left unset) raises."""
+        processes = self.accelerator.num_processes
+        if self._undispatched and processes > 1 and isinstance(dataset, IterableDataset):
+            raise ValueError(
+                f"transformers.Trainer over {processes} processes reads an iterable dataset in "
+                "the main process and sends each process its batches (Accelerate's "
+                "dispatch_batches), which embedpipe cannot do: each process looks its batches "
+                "up itself. Pass TrainingArguments(accelerator_config={'dispatch_batches': "
+                "False}): each process then reads its own share of the stream, with or without "
+                "embedpipe"
+            )
 
     # ----------------------------------------------------------------------------- data
     # Trainer's three loader getters, each as transformers (5.x) writes it, building the loader
@@ -182,20 +210,7 @@ class Trainer(transformers.Trainer):
                 params["worker_init_fn"] = partial(
                     seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index
                 )
-        processes = self.accelerator.num_processes
-        if (
-            self._undispatched
-            and processes > 1
-            and isinstance(dataset, torch.utils.data.IterableDataset)
-        ):
-            raise ValueError(
-                f"transformers.Trainer over {processes} processes reads an iterable dataset in "
-                "the main process and sends each process its batches (Accelerate's "
-                "dispatch_batches), which embedpipe cannot do: each process looks its batches "
-                "up itself. Pass TrainingArguments(accelerator_config={'dispatch_batches': "
-                "False}): each process then reads its own share of the stream, with or without "
-                "embedpipe"
-            )
+        self._refuse_dispatch(dataset)
         loader = self.pipe.loader(dataset, ids_key=self.ids_key, **params)
         loader = self.accelerator.prepare(loader)
         if isinstance(sampler, BatchRebalanceSampler):

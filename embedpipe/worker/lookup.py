@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -54,9 +54,8 @@ class Lookup:
     ) -> None:
         self.collate = collate
         #: The samples come from an iterable dataset, unwrapped: checked here, as they come
-        #: (NOTE [ An iterable dataset as it is ]); ``_streamed`` counts them in this process.
+        #: (NOTE [ An iterable dataset as it is ]).
         self.streamed = streamed
-        self._streamed = 0
         #: A sharded pipe: the rows [lo, hi) this rank reads (the others come from their
         #: owners, at the read); None: every row.
         self.owned = None if owned in (None, (0, table.num_rows)) else owned
@@ -140,18 +139,17 @@ class Lookup:
     # index. An iterable dataset is given to the DataLoader as it is, because frameworks decide
     # from its type how to split it over processes: Accelerate (``prepare`` with
     # ``dispatch_batches=False``) gives each process a shard of its own of a Hugging Face
-    # ``datasets.IterableDataset`` (``.shard()``: other files), and slices of each group of
-    # batches of any other. Wrapped, a Hugging Face stream was split the second way: every
+    # ``datasets.IterableDataset`` (``.shard()``: other files, when it has a file for each
+    # process), and slices of each group of batches of any other. Wrapped, a Hugging Face stream was split the second way: every
     # process read other samples than it would have without embedpipe, and nothing said so.
-    # Its samples are checked here instead, as the collate receives them, named by their place
-    # in the stream this process (a worker, or the training process) has read.
+    # Its samples are checked here instead, as the collate receives them, each named by its
+    # place in its batch and the process that collated it (a worker, or the training process).
 
     def _check_streamed(self, samples: Any) -> None:
         batch = samples if isinstance(samples, list) else [samples]  # batch_size=None: one
         info = get_worker_info()
         where = f"by worker {info.id}" if info is not None else "in the training process"
-        first, self._streamed = self._streamed, self._streamed + len(batch)
-        names = [f"{first + n} streamed {where}" for n in range(len(batch))]
+        names = (f"{n} of a batch collated {where}" for n in range(len(batch)))  # if needed
         check_samples(batch, names, self.ids_key, self.num_rows)
 
 
@@ -211,16 +209,19 @@ class CheckedDataset(Dataset):
         return samples  # anything else is checked as a batch, after the collate
 
 
-def check_samples(samples: list[Any], indices: list[Any], ids_key: str, num_rows: int) -> None:
+def check_samples(samples: list[Any], indices: Iterable[Any], ids_key: str, num_rows: int) -> None:
     """Check every sample's ids as :func:`check_sample` does; when they are all integer tensors,
     with one range check over the batch, looking for the sample to name only if it fails."""
-    try:  # the fast path only returns early: anything it cannot check goes sample by sample
-        ids = [s[ids_key] for s in samples]
-    except (KeyError, IndexError, TypeError):
-        ids = []
-    if ids and all(
-        isinstance(i, torch.Tensor) and i.dtype in _TENSOR_IDS and i.dim() == 1 and len(i)
-        for i in ids
+    # the fast path only returns early: anything it cannot check goes sample by sample (which
+    # leaves samples that are no mappings, or lack the key, to the batch's check)
+    ids = [s[ids_key] for s in samples if isinstance(s, Mapping) and ids_key in s]
+    if (
+        ids
+        and len(ids) == len(samples)
+        and all(
+            isinstance(i, torch.Tensor) and i.dtype in _TENSOR_IDS and i.dim() == 1 and len(i)
+            for i in ids
+        )
     ):
         low, high = torch.aminmax(torch.cat(ids))
         if int(low) >= 0 and int(high) < num_rows:

@@ -284,6 +284,24 @@ def test_neftune_noise_reaches_the_offloaded_embeddings(tmp_path):
         assert not trainer.model.get_input_embeddings()._forward_hooks  # taken off after train()
 
 
+def test_the_callers_arguments_stay_as_given_positionally_or_by_name(tmp_path):
+    """Trainer leaves Accelerate's dispatch_batches off when it was not set (a pipe's batches
+    cannot be dispatched), on a copy: the caller's arguments keep it unset, so that a second
+    Trainer made from them sees what the caller set (and refuses what it must)."""
+    for by_name in (True, False):
+        args = arguments(tmp_path / "out")
+        model = bert()
+        pipe = offloaded(model, tmp_path / f"{by_name}.zarr", cache_rows=VOCAB // 20)
+        with pipe:
+            if by_name:
+                trainer = embedpipe.hf.Trainer(model=model, args=args, pipe=pipe)
+            else:
+                trainer = embedpipe.hf.Trainer(model, args, pipe=pipe)
+            assert trainer.args.accelerator_config.dispatch_batches is False
+            assert args.accelerator_config.dispatch_batches is None
+            assert trainer.args.output_dir == args.output_dir
+
+
 def test_a_streaming_dataset_reshuffles_every_epoch_as_with_nn_embedding(tmp_path):
     """A Hugging Face streaming dataset with a shuffle buffer: Trainer (through Accelerate) sets
     its epoch at every epoch, which reshuffles it. Reached through the pipe's loader, over about

@@ -103,9 +103,9 @@ def subset(samples):
 
 @pytest.mark.parametrize("dataset", [EpochStream, list, subset])
 def test_the_loaders_dataset_is_the_users_as_frameworks_reach_it(tmp_path, dataset):
-    """loader.dataset wraps the user's dataset (its ids are checked): Accelerate's set_epoch
-    (Trainer calls it every epoch) and a loop that sets an attribute reach the user's, and len()
-    is the DataLoader's."""
+    """loader.dataset is the user's iterable dataset, or wraps the user's map-style one (its
+    ids are checked by index): either way Accelerate's set_epoch (Trainer calls it every epoch)
+    and a loop that sets an attribute reach the user's, and len() is the DataLoader's."""
     embedpipe.Table.create(tmp_path / "t.zarr", 1000, 4).close()
     data = dataset(DATA)
     plain = torch.utils.data.DataLoader(data, batch_size=4, collate_fn=lambda b: b)
@@ -132,7 +132,11 @@ def test_the_loaders_dataset_is_the_users_as_frameworks_reach_it(tmp_path, datas
 
 
 @pytest.mark.parametrize(
-    "workers, where", [(0, "3 streamed in the training process"), (2, "1 streamed by worker 1")]
+    "workers, where",
+    [
+        (0, "1 of a batch collated in the training process"),
+        (2, "1 of a batch collated by worker 1"),
+    ],
 )
 def test_iterable_dataset_out_of_range_id_names_the_stream_position(tmp_path, workers, where):
     embedpipe.Table.create(tmp_path / "t.zarr", 10, 4).close()
