@@ -794,8 +794,18 @@ def lightning_ddp(folder: str) -> None:
     lightning_fit(
         reference, reference_optimizer, loader_of(DataLoader), reference_inputs, root=root, **ddp
     )
+    injected_reference = bert(dropout=0.0)  # Lightning's default: its own DistributedSampler
+    lightning_fit(
+        injected_reference,
+        reference_optimizer,
+        DataLoader(data, batch_size=4),
+        reference_inputs,
+        root=os.path.join(folder, "injected_reference"),
+        **{**ddp, "use_distributed_sampler": True},
+    )
 
-    def run(name: str, ckpt: str | None = None) -> torch.Tensor:
+    def run(name: str, ckpt: str | None = None, injected: bool = False) -> torch.Tensor:
+        """``injected``: Lightning's default, a DistributedSampler it puts in the loader."""
         model = bert(dropout=0.0)
         pipe = offloaded(model, os.path.join(folder, f"{name}.zarr"))
 
@@ -806,12 +816,12 @@ def lightning_ddp(folder: str) -> None:
         lightning_fit(
             model,
             optimizer,
-            loader_of(pipe.loader),
+            pipe.loader(data, batch_size=4) if injected else loader_of(pipe.loader),
             offloaded_inputs,
             callbacks=[PipeCallback(pipe)],
             root=os.path.join(folder, name),
             ckpt=ckpt,
-            **ddp,
+            **{**ddp, "use_distributed_sampler": injected},
         )
         pipe.flush()
         table = pipe.table.to_tensor()
@@ -821,8 +831,13 @@ def lightning_ddp(folder: str) -> None:
     whole, model = run("whole")
     first = sorted(glob.glob(os.path.join(folder, "whole", "epoch=0*.ckpt")))[0]
     resumed, _ = run("resumed", ckpt=first)
+    injected, injected_model = run("injected", injected=True)
     if dist.get_rank() == 0:
         result = {
+            "injected": injected,
+            "injected_dense": dense_state(injected_model),
+            "injected_reference": injected_reference.get_input_embeddings().weight.detach(),
+            "injected_reference_dense": dense_state(injected_reference),
             "reference": reference.get_input_embeddings().weight.detach().clone(),
             "reference_dense": dense_state(reference),
             "offloaded": whole,

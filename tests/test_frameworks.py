@@ -400,6 +400,83 @@ def lightning_fit(
     return trainer
 
 
+class Evaluated:
+    """A LightningModule's evaluation steps over ``model``: the loss logged, the logits predicted."""
+
+    @staticmethod
+    def module(model, inputs):
+        lightning = pytest.importorskip("lightning")
+
+        class Module(lightning.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+
+            def validation_step(self, batch, index):
+                self.log("loss", self.model(**inputs(batch), labels=batch["labels"]).loss)
+
+            def predict_step(self, batch, index):
+                return self.model(**inputs(batch)).logits
+
+        return Module()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_lightning_validates_and_predicts_as_with_nn_embedding(tmp_path, workers):
+    """Lightning evaluates under torch.inference_mode() (the batches' ids then have no version
+    counter, in the workers it forks too) and remakes a loader to predict (an index wrapper
+    around its batch sampler): the same loss and logits, bit for bit, as nn.Embedding's."""
+    lightning = pytest.importorskip("lightning")
+    data = samples(20)
+    options = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    options["enable_model_summary"] = False
+
+    def evaluate(model, loader, inputs):
+        trainer = lightning.Trainer(default_root_dir=tmp_path, **options)
+        module = Evaluated.module(model, inputs)
+        loss = trainer.validate(module, dataloaders=loader, verbose=False)[0]["loss"]
+        return loss, torch.cat(trainer.predict(module, dataloaders=loader))
+
+    reference = bert(dropout=0.0).eval()
+    loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=workers)
+    expected = evaluate(reference, loader, reference_inputs)
+    model = bert(dropout=0.0).eval()
+    with offloaded(model, tmp_path / "t.zarr") as pipe:
+        got = evaluate(
+            model, pipe.loader(data, batch_size=4, num_workers=workers), offloaded_inputs
+        )
+    assert got[0] == expected[0]
+    assert torch.equal(got[1], expected[1]) and len(got[1]) == len(data)
+
+
+def test_lightnings_distributed_sampler_goes_into_the_pipes_loader(tmp_path):
+    """Under DDP Lightning remakes a loader that has no DistributedSampler with one (its
+    ``use_distributed_sampler``, on by default): each rank's batches through the pipe's loader
+    are those of a DataLoader remade so, shuffled or not, and the loader is still the pipe's."""
+    pytest.importorskip("lightning")
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    data = samples(20)
+    model = bert()
+    with offloaded(model, tmp_path / "t.zarr") as pipe:
+        for shuffle in (False, True):
+            for rank in (0, 1):
+
+                def remade(loader, rank=rank, shuffle=shuffle):
+                    sampler = torch.utils.data.DistributedSampler(
+                        data, num_replicas=2, rank=rank, shuffle=shuffle, seed=3
+                    )
+                    return _update_dataloader(loader, sampler)
+
+                plain = remade(torch.utils.data.DataLoader(data, batch_size=4, shuffle=shuffle))
+                piped = remade(pipe.loader(data, batch_size=4, shuffle=shuffle, num_workers=2))
+                assert isinstance(piped, type(pipe.loader(data)))
+                expected = [b["input_ids"] for b in plain]
+                got = [b["input_ids"] for b in piped]
+                assert len(got) == len(expected) == 3
+                assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
 def test_lightning_clips_accumulates_prefetches_and_checkpoints_the_table(tmp_path):
     lightning = pytest.importorskip("lightning")
     from embedpipe.lightning import PipeCallback

@@ -17,7 +17,7 @@ from then on), saying why once: with ``auto`` when most of the last :data:`JUDGE
 matched nothing foreseen, with any policy when the child fails or sends nothing in twice as many.
 
 One stream owns the window at a time, the first loader iterated's; another iterated meanwhile (an
-evaluation loop mid-epoch) has no lookahead, its batches going through the same cache, unseen.
+evaluation loop mid-epoch) has no lookahead.
 
 NOTE [ Misses read by the owner ]
 With workers, ``prefetch_factor x num_workers`` batches are looked up before the first of them is
@@ -80,21 +80,18 @@ class Owner(Protocol):
         """``stream``'s epoch is over or left: stop it."""
 
 
-#: Hand-offs over which the reader must have read at least half the batches' misses in time.
-KEEP_UP_BATCHES = 16
+#: Hand-offs over which the reader must have read at least half the batches' misses in time;
+#: claims over which ``auto`` judges its foresight (it stops if most matched nothing foreseen).
+KEEP_UP_BATCHES = JUDGED_BATCHES = 16
 #: The share of a batch's misses read from the disk at which the reader hands them back.
 COLD_SHARE = 0.5
-#: Claims over which ``auto`` judges its foresight: it stops if most matched nothing foreseen.
-JUDGED_BATCHES = 16
 
 
 class Ahead:
-    """The sampler's iterator as the DataLoader draws it.
-
-    ``on_first(self)`` runs once the DataLoader has drawn the first batch (the stream starts only
-    then: see :class:`Foresight`); ``on_draw(number)`` runs before the DataLoader gets batch
-    ``number`` (to dispatch it to a worker): the stream moves its window past that batch there.
-    """
+    """The sampler's iterator as the DataLoader draws it: ``on_first(self)`` runs once the
+    DataLoader has drawn the first batch (the stream starts only then: see :class:`Foresight`);
+    ``on_draw(number)`` runs before the DataLoader gets batch ``number`` (to dispatch it to a
+    worker): the stream moves its window past that batch there."""
 
     def __init__(self, inner: Iterator[Any]) -> None:
         self.inner = inner
@@ -128,8 +125,11 @@ class Foresight(BatchSampler):
 
     Being the loader's ``batch_sampler`` (a ``BatchSampler``, whose ``sampler`` a framework may
     replace), it also serves the loaders that frameworks build from it: Accelerate's
-    ``prepare`` and ``skip_first_batches``, and with them Trainer.
-    """
+    ``prepare`` and ``skip_first_batches``, and with them Trainer. Made as a ``BatchSampler``
+    (Lightning's, for a sampler of its own), it is one: the loader Lightning makes foresees."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        return BatchSampler(*args, **kwargs) if "batch_size" in kwargs else super().__new__(cls)
 
     def __init__(
         self,

@@ -114,6 +114,8 @@ class PipeLoader(DataLoader):
             )["ring"]
             budget.warn_if_too_big(size, f"the batch ring of {num_workers} workers", stacklevel=4)
             ring = BatchRing(num_workers, depth, rows, table.dim, table.dtype)
+        remade = dict(batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn)
+        remade.update(ids_key=ids_key, ring_rows=ring_rows, **dataloader_kwargs)
         if collate_fn is None:  # as the DataLoader: no batching, no stacking, but pad ragged ids
             unbatched = batch_size is None and "batch_sampler" not in dataloader_kwargs
             collate_fn = default_convert if unbatched else PadCollator(owner.padding_idx, ids_key)
@@ -154,6 +156,22 @@ class PipeLoader(DataLoader):
             # skip_first_batches). DataLoader refuses the attribute after __init__: set it anyway.
             sight = Foresight(self.batch_sampler, owner, dataset, ids_key, source, self._defer)
             object.__setattr__(self, "batch_sampler", sight)
+        # NOTE [ A loader Lightning remakes ]
+        # Lightning makes a loader anew to give it a sampler (DDP's DistributedSampler, when
+        # ``use_distributed_sampler`` is on and the loader has none; an index wrapper around the
+        # batch sampler in ``predict``), from the arguments its ``*_dataloader`` hooks record, or
+        # else from the loader's attributes, which here are the wrapped dataset and the lookup.
+        # So the arguments this loader was made with are recorded as those hooks would (all but
+        # ``shuffle``, which Lightning then reads from the sampler, as for a DataLoader made
+        # outside a hook): the loader it makes is the pipe's, over the same dataset and collate.
+        for name, value in (
+            ("__pl_saved_args", (pipe, dataset)),
+            ("__pl_saved_kwargs", remade),
+            ("__pl_saved_arg_names", ("pipe", "dataset")),
+            ("__pl_saved_default_kwargs", {}),
+            ("__dataset", dataset),
+        ):
+            object.__setattr__(self, name, value)
 
     def __iter__(self) -> Iterator[EmbeddedBatch]:  # type: ignore[override]
         try:

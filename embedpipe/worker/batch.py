@@ -39,8 +39,11 @@ read of the rows finds the counter moved and the ids different, the owner gather
 the new ids (``Owner.relookup``: the cache's or the table's newest, under the same waits as a
 hand-off) and the batch's unique ids, inverse and rows become theirs, so the gradient goes to
 the rows the model read. An edit costs one lookup in the training process; a batch never edited
-costs a version check per read. A table sharded over ranks refuses it (the other ranks would
-have to join the lookup): edit the ids in the dataset or ``collate_fn`` there.
+costs a version check per read. Ids made under ``torch.inference_mode()`` have no version
+counter (Lightning validates and predicts in it, and the workers it forks then make such
+tensors too): their values are compared with the gathered ids at each read instead. A table
+sharded over ranks refuses an edit (the other ranks would have to join the lookup): edit the
+ids in the dataset or ``collate_fn`` there.
 """
 
 from __future__ import annotations
@@ -58,6 +61,17 @@ if TYPE_CHECKING:
     from .looked_up import LookedUp
 
 INPUTS_EMBEDS = "inputs_embeds"
+
+
+def version_of(ids: Any) -> int:
+    """The version counter of a batch's ids tensor (NOTE [ Ids edited in place ]); -1 for one
+    made under ``torch.inference_mode()`` (Lightning's validation and prediction, and the
+    workers it forks then), which has none: its values are compared with the gathered ids."""
+    if not isinstance(ids, torch.Tensor):
+        return 0
+    return -1 if ids.is_inference() else ids._version
+
+
 #: The attribute of each ``inputs_embeds`` a batch makes: the ids it gathered, (B, L) when called
 #: (NOTE [ What a model derives from input_ids ] in ``embedpipe/pipe/derived.py``).
 GATHERED_IDS = "_embedpipe_ids"
@@ -243,7 +257,8 @@ class EmbeddedBatch(Mapping[str, Any]):
         edited in place ])."""
         ids = self.fields.get(key) if key is not None and isinstance(self.fields, Mapping) else None
         if isinstance(ids, torch.Tensor):
-            self._ids_seen = (key, ids, ids._version if version is None else version)
+            counted = version_of(ids) if version is None or ids.is_inference() else version
+            self._ids_seen = (key, ids, counted)
 
     def _ids_changed(self) -> torch.Tensor | None:
         """The ids field, if it was changed in place since the rows were gathered for it."""
@@ -251,11 +266,11 @@ class EmbeddedBatch(Mapping[str, Any]):
         if seen is None:
             return None
         key, ids, version = seen
-        if ids._version == version:
+        if version >= 0 and ids._version == version:
             return None
         as_gathered = self._unique_ids.to(self._inverse.device)[self._inverse]
         if ids.shape == as_gathered.shape and torch.equal(ids.to(as_gathered.dtype), as_gathered):
-            self._ids_seen = (key, ids, ids._version)  # written, but with the same ids
+            self._ids_seen = (key, ids, version_of(ids))  # written, but with the same ids
             return None
         return ids
 
@@ -347,7 +362,7 @@ class EmbeddedBatch(Mapping[str, Any]):
             if edited is not None:
                 self._owner.relookup(self, edited)  # raises: the edit is still seen next time
                 key, ids, _ = self._ids_seen
-                self._ids_seen = (key, ids, ids._version)
+                self._ids_seen = (key, ids, version_of(ids))
 
     @property
     def rows(self) -> torch.Tensor:

@@ -26,7 +26,7 @@ from ..errors import IdOutOfRangeError
 from ..ids import as_ids, unique_inverse
 from ..store.layout import WEIGHT
 from ..store.table import Table
-from .batch import EmbeddedBatch, Source, register_source
+from .batch import EmbeddedBatch, Source, register_source, version_of
 from .looked_up import LookedUp
 from .orphans import exit_with_parent
 
@@ -99,7 +99,7 @@ class Lookup:
                 f"the collated batch must be a mapping with the ids under {self.ids_key!r}, got {keys}; "
                 "pass ids_key=... or a collate_fn that returns a dict"
             )
-        version = getattr(fields[self.ids_key], "_version", 0)  # NOTE [ Ids edited in place ]
+        version = version_of(fields[self.ids_key])  # NOTE [ Ids edited in place ]
         ids = as_ids(fields[self.ids_key], self.num_rows, what="batch ids")
         unique_ids, inverse = unique_inverse(ids, self.num_rows)
         if self.cache is None:  # the owner reads the rows (lookup_step -1 says so)

@@ -423,6 +423,22 @@ def test_ids_edited_in_place_train_as_nn_embedding_trains_the_edited_ids(tmp_pat
         assert torch.equal(table(pipe), reference.emb.weight.detach())
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_ids_made_and_edited_under_inference_mode_embed_the_edited_ids(tmp_path, num_workers):
+    """Under torch.inference_mode() (Lightning's validation) the batch's ids are inference
+    tensors, in the workers forked then too, with no version counter: an edit in place is
+    found by their values, and the embeddings are the edited ids' rows."""
+    data = samples(16)
+    weight = Toy().emb.weight.detach().clone()
+    with offloaded(tmp_path, Toy()) as pipe, torch.inference_mode():
+        for k, batch in enumerate(pipe.loader(data, batch_size=4, num_workers=num_workers)):
+            assert batch["input_ids"].is_inference()
+            if k % 2:
+                batch["input_ids"][:, 0] = 1
+            assert torch.equal(batch["inputs_embeds"], weight[batch["input_ids"]])
+        assert pipe.stats()["relookups"] == 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
 def test_a_model_cast_after_offload_gets_inputs_embeds_in_its_dtype(tmp_path, dtype):
     model = Toy()

@@ -260,6 +260,12 @@ def test_lightning_and_accelerate_ddp_train_the_table_they_train_with_nn_embeddi
     moved = (result["reference"] - bert(dropout=0.0).get_input_embeddings().weight).abs()
     assert float(moved.max()) > 1e-4  # the table trained (1,000 x the tolerance)
     assert torch.equal(result["resumed"], got)
+    if framework == "lightning":  # Lightning's own DistributedSampler in the pipe's loader
+        injected, reference = result["injected"], result["injected_reference"]
+        torch.testing.assert_close(injected, reference, rtol=0, atol=1e-7)
+        assert not torch.allclose(injected, got, rtol=0, atol=1e-5)  # it shards otherwise
+        for name, value in result["injected_reference_dense"].items():
+            torch.testing.assert_close(result["injected_dense"][name], value, rtol=0, atol=1e-7)
 
 
 @pytest.mark.slow
