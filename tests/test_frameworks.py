@@ -363,9 +363,9 @@ class Unsized(torch.utils.data.IterableDataset):
         return iter(self.items)
 
 
-def lightning_fit(
-    model, make_optimizer, loader, inputs, *, callbacks=(), epochs=2, ckpt=None, root, **options
-):
+def lightning_module(model, inputs, make_optimizer=None):
+    """A LightningModule over ``model``: it trains on the loss (``make_optimizer`` and a warmup),
+    logs it in validation, and predicts the logits."""
     lightning = pytest.importorskip("lightning")
 
     class Module(lightning.LightningModule):
@@ -376,11 +376,24 @@ def lightning_fit(
         def training_step(self, batch, index):
             return self.model(**inputs(batch), labels=batch["labels"]).loss
 
+        def validation_step(self, batch, index):
+            self.log("loss", self.model(**inputs(batch), labels=batch["labels"]).loss)
+
+        def predict_step(self, batch, index):
+            return self.model(**inputs(batch)).logits
+
         def configure_optimizers(self):
             optimizer = make_optimizer(self.model)
             schedule = {"scheduler": warmup(optimizer), "interval": "step"}
             return {"optimizer": optimizer, "lr_scheduler": schedule}
 
+    return Module()
+
+
+def lightning_fit(
+    model, make_optimizer, loader, inputs, *, callbacks=(), epochs=2, ckpt=None, root, **options
+):
+    lightning = pytest.importorskip("lightning")
     checkpoints = lightning.pytorch.callbacks.ModelCheckpoint(
         dirpath=root, every_n_epochs=1, save_top_k=-1
     )
@@ -396,29 +409,10 @@ def lightning_fit(
         default_root_dir=root,
         **{"devices": 1, **options},
     )
-    trainer.fit(Module(), train_dataloaders=loader, ckpt_path=ckpt)
+    trainer.fit(
+        lightning_module(model, inputs, make_optimizer), train_dataloaders=loader, ckpt_path=ckpt
+    )
     return trainer
-
-
-class Evaluated:
-    """A LightningModule's evaluation steps over ``model``: the loss logged, the logits predicted."""
-
-    @staticmethod
-    def module(model, inputs):
-        lightning = pytest.importorskip("lightning")
-
-        class Module(lightning.LightningModule):
-            def __init__(self):
-                super().__init__()
-                self.model = model
-
-            def validation_step(self, batch, index):
-                self.log("loss", self.model(**inputs(batch), labels=batch["labels"]).loss)
-
-            def predict_step(self, batch, index):
-                return self.model(**inputs(batch)).logits
-
-        return Module()
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -433,7 +427,7 @@ def test_lightning_validates_and_predicts_as_with_nn_embedding(tmp_path, workers
 
     def evaluate(model, loader, inputs):
         trainer = lightning.Trainer(default_root_dir=tmp_path, **options)
-        module = Evaluated.module(model, inputs)
+        module = lightning_module(model, inputs)
         loss = trainer.validate(module, dataloaders=loader, verbose=False)[0]["loss"]
         return loss, torch.cat(trainer.predict(module, dataloaders=loader))
 
