@@ -363,15 +363,24 @@ class Unsized(torch.utils.data.IterableDataset):
         return iter(self.items)
 
 
-def lightning_module(model, inputs, make_optimizer=None):
+def lightning_module(model, inputs, make_optimizer=None, make_loader=None):
     """A LightningModule over ``model``: it trains on the loss (``make_optimizer`` and a warmup),
-    logs it in validation, and predicts the logits."""
+    logs it in validation, and predicts the logits; ``make_loader()`` in its ``val_dataloader``
+    and ``predict_dataloader`` hooks, if given."""
     lightning = pytest.importorskip("lightning")
 
     class Module(lightning.LightningModule):
         def __init__(self):
             super().__init__()
             self.model = model
+
+        if make_loader is not None:
+
+            def val_dataloader(self):
+                return make_loader()
+
+            def predict_dataloader(self):
+                return make_loader()
 
         def training_step(self, batch, index):
             return self.model(**inputs(batch), labels=batch["labels"]).loss
@@ -415,29 +424,38 @@ def lightning_fit(
     return trainer
 
 
+@pytest.mark.parametrize("hook", [False, True])
 @pytest.mark.parametrize("workers", [0, 2])
-def test_lightning_validates_and_predicts_as_with_nn_embedding(tmp_path, workers):
+def test_lightning_validates_and_predicts_as_with_nn_embedding(tmp_path, workers, hook):
     """Lightning evaluates under torch.inference_mode() (the batches' ids then have no version
     counter, in the workers it forks too) and remakes a loader to predict (an index wrapper
-    around its batch sampler): the same loss and logits, bit for bit, as nn.Embedding's."""
+    around its batch sampler), from its arguments where a ``*_dataloader`` hook made it: the
+    same loss and logits, bit for bit, as nn.Embedding's."""
     lightning = pytest.importorskip("lightning")
     data = samples(20)
     options = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     options["enable_model_summary"] = False
 
-    def evaluate(model, loader, inputs):
+    def evaluate(model, make_loader, inputs):
         trainer = lightning.Trainer(default_root_dir=tmp_path, **options)
-        module = lightning_module(model, inputs)
-        loss = trainer.validate(module, dataloaders=loader, verbose=False)[0]["loss"]
-        return loss, torch.cat(trainer.predict(module, dataloaders=loader))
+        module = lightning_module(model, inputs, make_loader=make_loader if hook else None)
+        given = {} if hook else {"dataloaders": make_loader()}
+        loss = trainer.validate(module, verbose=False, **given)[0]["loss"]
+        given = {} if hook else {"dataloaders": make_loader()}
+        return loss, torch.cat(trainer.predict(module, **given))
 
     reference = bert(dropout=0.0).eval()
-    loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=workers)
-    expected = evaluate(reference, loader, reference_inputs)
+    expected = evaluate(
+        reference,
+        lambda: torch.utils.data.DataLoader(data, batch_size=4, num_workers=workers),
+        reference_inputs,
+    )
     model = bert(dropout=0.0).eval()
     with offloaded(model, tmp_path / "t.zarr") as pipe:
         got = evaluate(
-            model, pipe.loader(data, batch_size=4, num_workers=workers), offloaded_inputs
+            model,
+            lambda: pipe.loader(data, batch_size=4, num_workers=workers),
+            offloaded_inputs,
         )
     assert got[0] == expected[0]
     assert torch.equal(got[1], expected[1]) and len(got[1]) == len(data)

@@ -164,14 +164,19 @@ class PipeLoader(DataLoader):
         # So the arguments this loader was made with are recorded as those hooks would (all but
         # ``shuffle``, which Lightning then reads from the sampler, as for a DataLoader made
         # outside a hook): the loader it makes is the pipe's, over the same dataset and collate.
-        for name, value in (
-            ("__pl_saved_args", (pipe, dataset)),
-            ("__pl_saved_kwargs", remade),
-            ("__pl_saved_arg_names", ("pipe", "dataset")),
-            ("__pl_saved_default_kwargs", {}),
-            ("__dataset", dataset),
-        ):
+        # Its batch sampler is remade as a BatchSampler is (``Foresight.__new__``), not from the
+        # arguments a hook recorded for the Foresight (they have no ``sampler`` to replace).
+        recorded = {
+            "__pl_saved_args": (pipe, dataset),
+            "__pl_saved_kwargs": remade,
+            "__pl_saved_arg_names": ("pipe", "dataset"),
+            "__pl_saved_default_kwargs": {},
+            "__dataset": dataset,
+        }
+        for name, value in recorded.items():
             object.__setattr__(self, name, value)
+            if isinstance(self.batch_sampler, Foresight):
+                self.batch_sampler.__dict__.pop(name, None)
 
     def __iter__(self) -> Iterator[EmbeddedBatch]:  # type: ignore[override]
         try:
