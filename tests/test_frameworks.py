@@ -400,7 +400,17 @@ def lightning_module(model, inputs, make_optimizer=None, make_loader=None):
 
 
 def lightning_fit(
-    model, make_optimizer, loader, inputs, *, callbacks=(), epochs=2, ckpt=None, root, **options
+    model,
+    make_optimizer,
+    loader,
+    inputs,
+    *,
+    callbacks=(),
+    epochs=2,
+    ckpt=None,
+    root,
+    validation=None,
+    **options,
 ):
     lightning = pytest.importorskip("lightning")
     checkpoints = lightning.pytorch.callbacks.ModelCheckpoint(
@@ -418,9 +428,8 @@ def lightning_fit(
         default_root_dir=root,
         **{"devices": 1, **options},
     )
-    trainer.fit(
-        lightning_module(model, inputs, make_optimizer), train_dataloaders=loader, ckpt_path=ckpt
-    )
+    module = lightning_module(model, inputs, make_optimizer)
+    trainer.fit(module, train_dataloaders=loader, val_dataloaders=validation, ckpt_path=ckpt)
     return trainer
 
 
@@ -459,6 +468,42 @@ def test_lightning_validates_and_predicts_as_with_nn_embedding(tmp_path, workers
         )
     assert got[0] == expected[0]
     assert torch.equal(got[1], expected[1]) and len(got[1]) == len(data)
+
+
+def test_lightning_validates_every_epoch_while_the_table_trains_as_with_nn_embedding(tmp_path):
+    """fit with a shuffled training loader and a validation loader, both the pipe's, 2 workers:
+    its sanity check, then a validation each epoch under inference mode, between steps. The
+    last validation loss, the table and the dense weights as nn.Embedding's, bit for bit."""
+    data, held_out = samples(24), samples(12, seed=1)
+
+    def reference_optimizer(model):
+        dense = torch.optim.AdamW(dense_parameters(model), lr=DENSE_LR, eps=1e-6)
+        return with_adagrad_table(dense, model.get_input_embeddings().weight)
+
+    def fit(model, optimizer, make_loader, inputs, **options):
+        torch.manual_seed(1)  # the training loader's shuffle
+        loader = make_loader(data, batch_size=4, shuffle=True, num_workers=2)
+        validation = make_loader(held_out, batch_size=4, num_workers=2)
+        trainer = lightning_fit(
+            model, optimizer, loader, inputs, root=tmp_path, validation=validation, **options
+        )
+        return float(trainer.callback_metrics["loss"])
+
+    reference = bert(dropout=0.0)
+    expected = fit(reference, reference_optimizer, torch.utils.data.DataLoader, reference_inputs)
+    model = bert(dropout=0.0)
+    with offloaded(model, tmp_path / "t.zarr") as pipe:
+        from embedpipe.lightning import PipeCallback
+
+        def optimizer(m):
+            groups = [{"params": dense_parameters(m)}, {"params": [pipe.parameter], "lr": TABLE_LR}]
+            return torch.optim.AdamW(groups, lr=DENSE_LR, eps=1e-6)
+
+        got = fit(model, optimizer, pipe.loader, offloaded_inputs, callbacks=[PipeCallback(pipe)])
+    assert got == expected
+    trained = embedpipe.Table.open(tmp_path / "t.zarr").to_tensor()
+    assert torch.equal(trained, reference.get_input_embeddings().weight.detach())
+    assert all(torch.equal(v, dense_state(reference)[k]) for k, v in dense_state(model).items())
 
 
 def test_lightnings_distributed_sampler_goes_into_the_pipes_loader(tmp_path):
