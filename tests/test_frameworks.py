@@ -506,32 +506,66 @@ def test_lightning_validates_every_epoch_while_the_table_trains_as_with_nn_embed
     assert all(torch.equal(v, dense_state(reference)[k]) for k, v in dense_state(model).items())
 
 
-def test_lightnings_distributed_sampler_goes_into_the_pipes_loader(tmp_path):
-    """Under DDP Lightning remakes a loader that has no DistributedSampler with one (its
-    ``use_distributed_sampler``, on by default): each rank's batches through the pipe's loader
-    are those of a DataLoader remade so, shuffled or not, and the loader is still the pipe's."""
+@pytest.mark.parametrize("policy", ["auto", "lru"])  # lru: the plain BatchSampler, no Foresight
+def test_lightning_remakes_the_pipes_loader_as_it_remakes_a_dataloader(tmp_path, policy):
+    """Lightning remakes a loader to predict (an index wrapper around its batch sampler) and,
+    under DDP, to put its DistributedSampler in it; one loader passed in may be remade several
+    times (predict, then fit). Each rank's batches through the pipe's loader, remade twice, are
+    those of a DataLoader remade so, shuffled or not, batched or not, and Lightning sees the
+    same shuffling; the loader is still the pipe's."""
     pytest.importorskip("lightning")
-    from lightning.pytorch.utilities.data import _update_dataloader
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _is_dataloader_shuffled, _update_dataloader
 
     data = samples(20)
-    model = bert()
-    with offloaded(model, tmp_path / "t.zarr") as pipe:
-        for shuffle in (False, True):
+    table = embedpipe.hf.offload(bert(), tmp_path / "t.zarr", chunk_rows=64)
+    with embedpipe.EmbeddingPipe(table, cache_rows=50, policy=policy) as pipe:
+        for options in (dict(batch_size=4, shuffle=False), dict(batch_size=4, shuffle=True)):
             for rank in (0, 1):
 
-                def remade(loader, rank=rank, shuffle=shuffle):
+                def remade(loader, rank=rank, shuffle=options["shuffle"]):
+                    _update_dataloader(loader, loader.sampler, RunningStage.PREDICTING)
+                    assert _is_dataloader_shuffled(loader) == shuffle
                     sampler = torch.utils.data.DistributedSampler(
                         data, num_replicas=2, rank=rank, shuffle=shuffle, seed=3
                     )
                     return _update_dataloader(loader, sampler)
 
-                plain = remade(torch.utils.data.DataLoader(data, batch_size=4, shuffle=shuffle))
-                piped = remade(pipe.loader(data, batch_size=4, shuffle=shuffle, num_workers=2))
-                assert isinstance(piped, type(pipe.loader(data)))
+                plain = remade(torch.utils.data.DataLoader(data, **options))
+                piped = remade(pipe.loader(data, num_workers=2, **options))
+                assert type(piped).__name__ == "PipeLoader"
                 expected = [b["input_ids"] for b in plain]
                 got = [b["input_ids"] for b in piped]
                 assert len(got) == len(expected) == 3
                 assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        unbatched = _update_dataloader(pipe.loader(data, batch_size=None), None)
+        assert [b["input_ids"].tolist() for b in unbatched] == [
+            s["input_ids"].tolist() for s in data
+        ]
+
+
+def test_lightning_predicts_through_the_pipes_loader_over_an_iterable(tmp_path):
+    """Remade to predict, a loader over an iterable dataset gets no sampler (Lightning passes
+    none): the same predictions as over a DataLoader."""
+    lightning = pytest.importorskip("lightning")
+    data = samples(12)
+    options = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+
+    def predict(model, loader, inputs):
+        trainer = lightning.Trainer(
+            default_root_dir=tmp_path, enable_model_summary=False, **options
+        )
+        return torch.cat(trainer.predict(lightning_module(model, inputs), dataloaders=loader))
+
+    expected = predict(
+        bert(dropout=0.0).eval(),
+        torch.utils.data.DataLoader(Stream(data), batch_size=4),
+        reference_inputs,
+    )
+    model = bert(dropout=0.0).eval()
+    with offloaded(model, tmp_path / "t.zarr") as pipe:
+        got = predict(model, pipe.loader(Stream(data), batch_size=4), offloaded_inputs)
+    assert torch.equal(got, expected)
 
 
 def test_lightning_clips_accumulates_prefetches_and_checkpoints_the_table(tmp_path):

@@ -86,7 +86,7 @@ class PipeLoader(DataLoader):
         dataset: Dataset,
         *,
         batch_size: int | None,
-        shuffle: bool | None,
+        shuffle: bool | None = None,
         num_workers: int,
         collate_fn: Any,
         ids_key: str,
@@ -117,7 +117,7 @@ class PipeLoader(DataLoader):
         remade = dict(batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn)
         remade.update(ids_key=ids_key, ring_rows=ring_rows, **dataloader_kwargs)
         if collate_fn is None:  # as the DataLoader: no batching, no stacking, but pad ragged ids
-            unbatched = batch_size is None and "batch_sampler" not in dataloader_kwargs
+            unbatched = batch_size is None and dataloader_kwargs.get("batch_sampler") is None
             collate_fn = default_convert if unbatched else PadCollator(owner.padding_idx, ids_key)
         source = PipeSource(owner, ring, bool(dataloader_kwargs.get("pin_memory")))
         shared = owner.shared if owner.workers_read_shared else None
@@ -164,19 +164,29 @@ class PipeLoader(DataLoader):
         # So the arguments this loader was made with are recorded as those hooks would (all but
         # ``shuffle``, which Lightning then reads from the sampler, as for a DataLoader made
         # outside a hook): the loader it makes is the pipe's, over the same dataset and collate.
-        # Its batch sampler is remade as a BatchSampler is (``Foresight.__new__``), not from the
+        # Lightning updates the keyword arguments it reads in place, so each read is a copy
+        # (``__getattr__``): a loader remade once and used again is remade from its own. Its
+        # batch sampler is remade as a BatchSampler is (``Foresight.__new__``), not from the
         # arguments a hook recorded for the Foresight (they have no ``sampler`` to replace).
+        self._remade = remade
+        self.__dict__.pop("__pl_saved_kwargs", None)  # a hook's record: ``__getattr__`` gives ours
         recorded = {
             "__pl_saved_args": (pipe, dataset),
-            "__pl_saved_kwargs": remade,
             "__pl_saved_arg_names": ("pipe", "dataset"),
             "__pl_saved_default_kwargs": {},
             "__dataset": dataset,
         }
         for name, value in recorded.items():
             object.__setattr__(self, name, value)
-            if isinstance(self.batch_sampler, Foresight):
+        if isinstance(self.batch_sampler, Foresight):
+            for name in (*recorded, "__pl_saved_kwargs"):
                 self.batch_sampler.__dict__.pop(name, None)
+
+    def __getattr__(self, name: str) -> Any:  # only for names the loader lacks
+        remade = self.__dict__.get("_remade")  # NOTE [ A loader Lightning remakes ]
+        if name == "__pl_saved_kwargs" and remade is not None:
+            return dict(remade)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __iter__(self) -> Iterator[EmbeddedBatch]:  # type: ignore[override]
         try:
