@@ -467,7 +467,10 @@ def test_the_foresight_child_ends_with_its_epoch(tmp_path):
     import os
 
     embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
-    samples = [{"input_ids": torch.tensor([i, i + 1])} for i in range(64)]
+    # more batches than the window (64): the child waits for the loop there, so it is still
+    # alive at the first batch however late that comes (with 16 batches, on a loaded host it
+    # had read the whole epoch and ended by then)
+    samples = [{"input_ids": torch.tensor([i % 1999, i % 1999 + 1])} for i in range(1024)]
     with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", owner="thread", cache_rows=10) as pipe:
         for n, _ in enumerate(pipe.loader(samples, batch_size=4)):
             if n == 0:
