@@ -299,15 +299,17 @@ def test_accelerate_prepares_the_loader_and_trains_the_same_table(tmp_path):
     assert torch.equal(runs["resumed"][0], expected)  # load_state + skip_first_batches
 
 
+@pytest.mark.parametrize("split", [False, True])  # split_batches: a slice of each batch
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("kind", ["huggingface", "shuffled", "torch", "map-style"])
 def test_accelerate_gives_each_process_the_samples_it_gives_without_embedpipe(
-    tmp_path, kind, workers
+    tmp_path, kind, workers, split
 ):
     """Accelerate's ``prepare`` over 2 processes (``dispatch_batches=False``) splits a dataset by
     its type: a Hugging Face stream into file shards, another iterable into slices of groups of
-    batches, a map-style one by its batch sampler. Each process's batches through the pipe's
-    loader are those of a DataLoader over the same dataset, and their embeddings its rows."""
+    batches, a map-style one by its batch sampler; with ``split_batches`` each process takes a
+    slice of every batch. Each process's batches through the pipe's loader are those of a
+    DataLoader over the same dataset, and their embeddings its rows."""
     accelerate = pytest.importorskip("accelerate")
     data = samples(40)
     if kind in ("huggingface", "shuffled"):
@@ -328,6 +330,7 @@ def test_accelerate_gives_each_process_the_samples_it_gives_without_embedpipe(
             loader,
             num_processes=2,
             process_index=process,
+            split_batches=split,
             dispatch_batches=False,
             put_on_device=False,
         )
