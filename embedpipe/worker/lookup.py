@@ -140,8 +140,9 @@ class Lookup:
     # from its type how to split it over processes: Accelerate (``prepare`` with
     # ``dispatch_batches=False``) gives each process a shard of its own of a Hugging Face
     # ``datasets.IterableDataset`` (``.shard()``: other files, when it has a file for each
-    # process), and slices of each group of batches of any other. Wrapped, a Hugging Face stream was split the second way: every
-    # process read other samples than it would have without embedpipe, and nothing said so.
+    # process), and slices of each group of batches of any other. Wrapped, a Hugging Face
+    # stream was split the second way: every process read other samples than it would have
+    # without embedpipe, and nothing said so.
     # Its samples are checked here instead, as the collate receives them, each named by its
     # place in its batch and the process that collated it (a worker, or the training process).
 
