@@ -114,8 +114,14 @@ class PipeLoader(DataLoader):
             )["ring"]
             budget.warn_if_too_big(size, f"the batch ring of {num_workers} workers", stacklevel=4)
             ring = BatchRing(num_workers, depth, rows, table.dim, table.dtype)
-        remade = dict(batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn)
-        remade.update(ids_key=ids_key, ring_rows=ring_rows, **dataloader_kwargs)
+        remade = dict(  # the arguments, as given (NOTE [ A loader Lightning remakes ])
+            batch_size=batch_size,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            ids_key=ids_key,
+            ring_rows=ring_rows,
+            **dataloader_kwargs,
+        )
         if collate_fn is None:  # as the DataLoader: no batching, no stacking, but pad ragged ids
             unbatched = batch_size is None and dataloader_kwargs.get("batch_sampler") is None
             collate_fn = default_convert if unbatched else PadCollator(owner.padding_idx, ids_key)

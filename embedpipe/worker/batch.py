@@ -61,6 +61,9 @@ if TYPE_CHECKING:
     from .looked_up import LookedUp
 
 INPUTS_EMBEDS = "inputs_embeds"
+#: The attribute of each ``inputs_embeds`` a batch makes: the ids it gathered, (B, L) when called
+#: (NOTE [ What a model derives from input_ids ] in ``embedpipe/pipe/derived.py``).
+GATHERED_IDS = "_embedpipe_ids"
 
 
 def version_of(ids: Any) -> int:
@@ -70,11 +73,6 @@ def version_of(ids: Any) -> int:
     if not isinstance(ids, torch.Tensor):
         return 0
     return -1 if ids.is_inference() else ids._version
-
-
-#: The attribute of each ``inputs_embeds`` a batch makes: the ids it gathered, (B, L) when called
-#: (NOTE [ What a model derives from input_ids ] in ``embedpipe/pipe/derived.py``).
-GATHERED_IDS = "_embedpipe_ids"
 
 
 class _Gathered:
@@ -257,8 +255,9 @@ class EmbeddedBatch(Mapping[str, Any]):
         edited in place ])."""
         ids = self.fields.get(key) if key is not None and isinstance(self.fields, Mapping) else None
         if isinstance(ids, torch.Tensor):
-            counted = version_of(ids) if version is None or ids.is_inference() else version
-            self._ids_seen = (key, ids, counted)
+            if version is None or ids.is_inference():  # (an inference tensor has none: -1)
+                version = version_of(ids)
+            self._ids_seen = (key, ids, version)
 
     def _ids_changed(self) -> torch.Tensor | None:
         """The ids field, if it was changed in place since the rows were gathered for it."""
