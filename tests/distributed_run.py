@@ -257,6 +257,9 @@ def parity_run(
         unflushed = "no error"
     except embedpipe.errors.DistributedNotSupportedError as e:
         unflushed = str(e)
+    # on every rank, as transformers asks: it flushes every rank's shard (hf/saving.py)
+    saved = os.path.join(folder, "saved")
+    model.save_pretrained(saved, is_main_process=dist.get_rank() == 0)
     pipe.flush()  # on every rank
     flushed = pipe.table.to_tensor()
     pipe.close()
@@ -264,6 +267,7 @@ def parity_run(
         table = embedpipe.Table.open(path)
         torch.save(
             {
+                "saved": type(model).from_pretrained(saved).get_input_embeddings().weight,
                 "reference": reference,
                 "offloaded": table.to_tensor(),
                 "reference_dense": reference_dense,

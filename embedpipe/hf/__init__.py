@@ -13,6 +13,8 @@ train it with ``transformers.Trainer``.
   ``transformers.PreTrainedModel``, duck-typed: transformers is imported only by the caller.
 - ``probe.py``: ``offload``'s check that the model computes the same from ``inputs_embeds`` as
   from ``input_ids`` (and the scale some models put on the looked-up rows);
+- ``saving.py``: ``save_pretrained`` on an offloaded model writes the table's rows into the
+  folder as the word embeddings (NOTE [ save_pretrained on an offloaded model ]);
 - ``trainer.py``: :class:`Trainer`, a ``transformers.Trainer`` that trains through a pipe
   (imported when first asked for: it imports transformers).
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import EmbeddingsOffloadedError
-from ..pipe.placeholder import OffloadedEmbedding
+from ..pipe.placeholder import ON_MADE, OffloadedEmbedding
 from .offloading import (
     TiedWeightsError,
     embedding_bytes,
@@ -35,6 +37,12 @@ from .offloading import (
     skipping_word_embeddings,
     untie,
 )
+from .saving import keep_word_embeddings
+
+# a model offloaded from now on saves its word embeddings with save_pretrained (hf/saving.py)
+if keep_word_embeddings not in ON_MADE:
+    ON_MADE.append(keep_word_embeddings)
+keep_word_embeddings()
 
 __all__ = [
     "EmbeddingsOffloadedError",

@@ -33,12 +33,9 @@ What it changes, and nothing else:
 from __future__ import annotations
 
 import copy
-import json
 import os
 import shutil
-import warnings
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,22 +43,20 @@ import transformers
 from torch.utils.data import IterableDataset
 from transformers.trainer_pt_utils import BatchRebalanceSampler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
-from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, is_datasets_available
+from transformers.utils import is_datasets_available
 
 from ..pipe.handle import EmbeddingPipe
 from ..pipe.meter import PipeMeter
 from ..store.table import Table
-from ..store.transfer import add_table_to_safetensors, export_table
 from ..worker.batch import INPUTS_EMBEDS, EmbeddedBatch
 from ..worker.collate import PadCollator
+from .saving import add_word_embeddings, leaving_word_embeddings_out, offloaded_keys
 
 if is_datasets_available():
     import datasets
 
 #: The folder inside each of Trainer's checkpoint folders that holds the table's snapshot.
 TABLE_FOLDER = "embedpipe-table"
-#: The shard of a sharded checkpoint's model files that holds the word embeddings.
-EMBEDDINGS_SHARD = "model-embedpipe-word-embeddings.safetensors"
 
 
 class Trainer(transformers.Trainer):
@@ -269,46 +264,21 @@ class Trainer(transformers.Trainer):
             self.pipe.save_checkpoint(snapshot)
         self._checkpointing = True
         try:
-            super()._save_checkpoint(model, trial)
+            with leaving_word_embeddings_out():  # the snapshot's rows, added below
+                super()._save_checkpoint(model, trial)
         finally:
             self._checkpointing = False
         if self.args.should_save:
-            self._add_word_embeddings(os.path.dirname(snapshot))
+            checkpoint = os.path.dirname(snapshot)
+            with Table.open(snapshot, "r") as table:
+                self._add_word_embeddings(checkpoint, table)
 
-    def _add_word_embeddings(self, checkpoint: str) -> None:
-        """Write the snapshot's rows into the checkpoint's model file as the word embeddings,
-        so ``from_pretrained(checkpoint)`` loads the trained ones (NOTE [ Checkpoints load
-        with their word embeddings ]). Streamed from the snapshot: the table is never whole
-        in memory."""
-        name = next(
-            n for n, m in self.model.named_modules() if m is self.model.get_input_embeddings()
-        )
-        key = f"{name}.weight" if name else "weight"
-        table = Table.open(os.path.join(checkpoint, TABLE_FOLDER), "r")
-        try:
-            model_file = os.path.join(checkpoint, SAFE_WEIGHTS_NAME)
-            index_file = os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)
-            if os.path.isfile(model_file):
-                add_table_to_safetensors(Path(model_file), table, key)
-            elif os.path.isfile(index_file):  # sharded: the embeddings in a shard of their own
-                export_table(table, os.path.join(checkpoint, EMBEDDINGS_SHARD), key=key)
-                with open(index_file) as f:
-                    index = json.load(f)
-                index["weight_map"][key] = EMBEDDINGS_SHARD
-                with open(index_file + ".tmp", "w") as f:
-                    json.dump(index, f, indent=2)
-                os.replace(index_file + ".tmp", index_file)
-            else:
-                warnings.warn(
-                    f"{checkpoint} has no {SAFE_WEIGHTS_NAME} (save_safetensors=False?): its word "
-                    f"embeddings are only in {TABLE_FOLDER}/, and from_pretrained on it gives "
-                    "freshly initialised ones; resume with embedpipe.hf.Trainer, or save with "
-                    "save_safetensors=True",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-        finally:
-            table.close()
+    def _add_word_embeddings(self, folder: str, table: Table) -> None:
+        """Write ``table``'s rows into the model file Trainer saved in ``folder`` as the word
+        embeddings, so ``from_pretrained(folder)`` loads the trained ones (NOTE [ Checkpoints
+        load with their word embeddings ]). Streamed: the table is never whole in memory."""
+        for key, _ in offloaded_keys(self.model):
+            add_word_embeddings(folder, table, key)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the model for ``from_pretrained``, with the table's trained rows as its word
@@ -316,10 +286,19 @@ class Trainer(transformers.Trainer):
         if self._checkpointing:
             super().save_model(output_dir, _internal_call)
             return
-        from .offloading import restored
-
-        with restored(self.model, self.pipe):
+        closed = self.pipe._owner.closed
+        if not closed:  # every rank's rows in the table's files (under torchrun: every rank)
+            self.pipe.flush()
+        with leaving_word_embeddings_out():  # the model file as Trainer writes it; rows below
             super().save_model(output_dir, _internal_call)
+        if not self.args.should_save:
+            return
+        folder = output_dir if output_dir is not None else self.args.output_dir
+        if closed:  # the table as committed at close
+            with Table.open(self.pipe.table.path, "r") as table:
+                self._add_word_embeddings(folder, table)
+        else:
+            self._add_word_embeddings(folder, self.pipe.table)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         from .offloading import skipping_word_embeddings

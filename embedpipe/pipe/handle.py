@@ -32,7 +32,7 @@ from ..service.rank import RankOwner, open_shared
 from ..store.checkpoints import Checkpoint
 from ..store.table import Table
 from .derived import watch
-from .placeholder import finish_embeds, ignore_in_ddp, offloaded_embeddings
+from .placeholder import finish_embeds, ignore_in_ddp, offloaded_embeddings, read_through
 from .rowscale import recorded_in_model, recorded_scale
 from .unclosed import close_when_collected
 
@@ -241,6 +241,7 @@ class EmbeddingPipe:
             table._reads_after(self._owner.before_read)
             for placeholder in placeholders:
                 placeholder.attach(self.parameter)
+                read_through(placeholder, self)
         self._finalizer = close_when_collected(self, self._owner)
 
     # ------------------------------------------------------------------------- public
@@ -302,9 +303,7 @@ class EmbeddingPipe:
         """
         from .placeholder import OffloadedEmbedding
 
-        embeddings = (
-            model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        )
+        embeddings = getattr(model, "get_input_embeddings", lambda: None)()
         if not isinstance(embeddings, OffloadedEmbedding):
             found = [m for m in model.modules() if isinstance(m, OffloadedEmbedding)]
             if len(found) != 1:
@@ -315,6 +314,7 @@ class EmbeddingPipe:
             embeddings = found[0]
         if self.optimizer is not None:
             embeddings.attach(self.parameter)
+        read_through(embeddings, self)  # its rows are this table's: save_pretrained reads them
         embeddings._register(self.table.path)  # batches as it takes them, from a copy too
         ignore_in_ddp(model, embeddings)
         watch(model, embeddings)  # NOTE [ What a model derives from input_ids ]

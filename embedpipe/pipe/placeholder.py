@@ -28,6 +28,14 @@ from .rowscale import scale_of, scaled, without_weight
 #: The offloaded embedding modules of this process, by table path, oldest first: a pipe on that
 #: table adopts the newest one's gradient parameter and attaches it to all of them.
 _OFFLOADED: dict[str, list[weakref.ref[OffloadedEmbedding]]] = {}
+#: The pipe whose table holds each module's rows as trained so far (weakly): the one that
+#: adopted it, or attached it to a copy of its table.
+_PIPES: weakref.WeakKeyDictionary[OffloadedEmbedding, weakref.ref[Any]] = (
+    weakref.WeakKeyDictionary()
+)
+#: Called whenever a module is made (``embedpipe.hf`` wraps ``save_pretrained``: NOTE
+#: [ save_pretrained on an offloaded model ] in ``hf/saving.py``).
+ON_MADE: list[Callable[[], None]] = []
 
 
 @functools.lru_cache(maxsize=64)
@@ -43,6 +51,18 @@ def offloaded_embeddings(path: str) -> list[OffloadedEmbedding]:
     refs = _OFFLOADED.get(_resolved(path), [])
     refs[:] = [r for r in refs if r() is not None]
     return [m for m in (r() for r in reversed(refs)) if m is not None]
+
+
+def read_through(module: OffloadedEmbedding, pipe: Any) -> None:
+    """``pipe``'s table holds ``module``'s rows from now on (:func:`trained_by`)."""
+    _PIPES[module] = weakref.ref(pipe)
+
+
+def trained_by(module: OffloadedEmbedding) -> Any:
+    """The pipe whose table holds ``module``'s rows, if it is still alive; else None (the
+    table at ``module.path`` does)."""
+    ref = _PIPES.get(module)
+    return None if ref is None else ref()
 
 
 def finish_embeds(
@@ -137,6 +157,8 @@ class OffloadedEmbedding(nn.Module):
         object.__setattr__(self, "_template", None)
         # a pipe made on the table from now on finds it (and attaches its parameter to it)
         self._register(path)
+        for made in ON_MADE:
+            made()
 
     def _register(self, path: str) -> None:
         """Found by the pipes on the table at ``path`` (a copy of its own table: ``attach``)."""

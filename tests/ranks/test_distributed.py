@@ -127,6 +127,7 @@ def test_two_ranks_train_the_table_ddp_trains_with_a_replicated_embedding(
     assert result["shards"] == {"ranks": 2, "bounds": [0, 512, 1000]}
     assert "call pipe.flush() on every rank first" in result["unflushed"]
     assert torch.equal(result["flushed"], result["offloaded"])  # after flush(), read as trained
+    assert torch.equal(result["saved"], result["offloaded"])  # save_pretrained on every rank
     stats = result["stats"]
     assert stats["remote_rows"] > 0 and stats["served_rows"] > 0  # rows crossed between ranks
     initial = tiny_model().bert.embeddings.word_embeddings.weight.detach()
