@@ -615,3 +615,35 @@ def test_lightning_clips_accumulates_prefetches_and_checkpoints_the_table(tmp_pa
     resumed, _ = run("resumed", root=tmp_path / "resumed", ckpt=str(first_epoch))
     assert torch.equal(resumed, whole)
     assert lightning.__version__  # the package the test ran with
+
+
+def test_lightning_validates_a_checkpoint_with_its_table_and_refuses_one_without(tmp_path):
+    """``validate(ckpt_path=...)`` loads the module's weights of that checkpoint: with
+    ``PipeCallback`` the table's snapshot comes back too; without it the table stays where
+    training left it, and the first batch raises (NOTE [ A state dict keeps the table's step ])
+    instead of validating the old weights with the new rows."""
+    lightning = pytest.importorskip("lightning")
+    from embedpipe.lightning import PipeCallback
+
+    data = samples(16)  # 4 batches an epoch, 2 steps (accumulate_grad_batches=2)
+    model = bert(dropout=0.0)
+    with offloaded(model, tmp_path / "t.zarr") as pipe:
+
+        def optimizer(m):
+            groups = [{"params": dense_parameters(m)}, {"params": [pipe.parameter]}]
+            return torch.optim.AdamW(groups, lr=DENSE_LR, eps=1e-6)
+
+        loader = pipe.loader(data, batch_size=4)
+        callbacks = [PipeCallback(pipe)]
+        trainer = lightning_fit(
+            model, optimizer, loader, offloaded_inputs, callbacks=callbacks, root=tmp_path
+        )
+        first_epoch = str(next(tmp_path.glob("epoch=0*.ckpt")))
+        module, options = trainer.lightning_module, dict(accelerator="cpu", devices=1)
+        options.update(logger=False, enable_progress_bar=False, enable_model_summary=False)
+        with pytest.raises(embedpipe.errors.EmbeddingsOffloadedError, match="taken 2 steps"):
+            lightning.Trainer(**options).validate(module, loader, ckpt_path=first_epoch)
+        lightning.Trainer(callbacks=[PipeCallback(pipe)], **options).validate(
+            module, loader, ckpt_path=first_epoch
+        )
+        assert pipe._owner.submitted == 2  # the table of that checkpoint

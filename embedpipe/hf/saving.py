@@ -41,7 +41,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import EmbeddingsOffloadedError, ShardMismatchError
-from ..pipe.placeholder import OffloadedEmbedding, trained_by
+from ..pipe.placeholder import OffloadedEmbedding, saving_rows, trained_by
 from ..store.table import Table
 from ..store.transfer import add_table_to_safetensors, export_table
 
@@ -79,7 +79,8 @@ def keep_word_embeddings() -> None:
             )
         tables = [_table_of(placeholder) for _, placeholder in offloaded]
         try:
-            result = original(self, *args, **kwargs)
+            with saving_rows():  # the folder holds the rows, not the table's step
+                result = original(self, *args, **kwargs)
             if self.should_save_on_this_rank(given.get("is_main_process", True)):
                 folder = os.fspath(given["save_directory"])
                 for (key, _), (table, _) in zip(offloaded, tables):
@@ -100,7 +101,8 @@ def leaving_word_embeddings_out() -> Iterator[None]:
     Trainer checkpoint adds the rows of its own snapshot afterwards."""
     _local.off = True
     try:
-        yield
+        with saving_rows():  # the folder will hold the rows, not the table's step
+            yield
     finally:
         _local.off = False
 
@@ -145,6 +147,7 @@ def _table_of(placeholder: OffloadedEmbedding) -> tuple[Table, bool]:
     here (to close): the pipe's, flushed, while it is open; else the table as committed."""
     pipe = trained_by(placeholder)
     if pipe is not None and not pipe._owner.closed:
+        placeholder.check_loaded_step()  # NOTE [ A state dict keeps the table's step ]
         try:  # its applied steps in the table's files, read through its own handle
             pipe.flush()
         except ShardMismatchError as e:
@@ -155,7 +158,13 @@ def _table_of(placeholder: OffloadedEmbedding) -> tuple[Table, bool]:
             ) from e
         return pipe.table, False
     path = pipe.table.path if pipe is not None else placeholder.path
-    return Table.open(path, "r"), True
+    table = Table.open(path, "r")
+    try:
+        placeholder.check_loaded_step(table.step)
+    except BaseException:
+        table.close()
+        raise
+    return table, True
 
 
 def _with_variant(name: str, variant: str | None) -> str:

@@ -133,6 +133,11 @@ class Owner:
         return self.optimizer is not None
 
     @property
+    def submitted(self) -> int:
+        """The table's steps so far, applied or queued (the table's own step once applied)."""
+        return self.writeback.submitted
+
+    @property
     def trains_now(self) -> bool:
         """The table takes gradients: it has an optimizer and its parameter requires grad
         (``model.get_input_embeddings().requires_grad_(False)`` freezes it, as an embedding)."""

@@ -6,12 +6,28 @@ Every one made in this process is registered by its table's path: a pipe on that
 them (``EmbeddingPipe.attach``) and asks them for the dtype ``inputs_embeds`` should have.
 ``embedpipe.hf.offload`` makes one; ``embedpipe.lightning`` and DDP see it through
 :func:`ignore_in_ddp`.
+
+NOTE [ A state dict keeps the table's step ]
+A model's ``state_dict()`` leaves the offloaded rows out: they live in the table. Loading a
+state dict taken earlier (an early stop going back to its best weights, a resume, Lightning's
+``ckpt_path``) restores every other weight and leaves the table where it is, so the model pairs
+the weights of one step with the word embeddings of another, with no error; with
+``nn.Embedding`` the rows would go back too. So where a pipe in this process trains the table,
+each state dict holds the table's step (the steps it has taken: ``<embedding>.embedpipe_step``,
+a 0-d int64 tensor), and loading one records that step in the module. The next read of a
+batch's ``inputs_embeds``, ``save_pretrained`` and ``restore`` compare it with the table's
+step: equal (the table's snapshot of that step was loaded too, with ``pipe.load_checkpoint``,
+as Trainer's and Lightning's resumes do; or nothing stepped since), it is forgotten; different,
+they raise :class:`EmbeddingsOffloadedError`. A state dict without the key (an older one, a
+frozen table's) is not checked. ``save_pretrained`` leaves the key out (:func:`saving_rows`):
+its folder holds the rows themselves.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,6 +49,10 @@ _OFFLOADED: dict[str, list[weakref.ref[OffloadedEmbedding]]] = {}
 _PIPES: weakref.WeakKeyDictionary[OffloadedEmbedding, weakref.ref[Any]] = (
     weakref.WeakKeyDictionary()
 )
+#: The key a state dict keeps the table's step under (NOTE [ A state dict keeps the table's
+#: step ]), beside the module's other keys.
+STEP_KEY = "embedpipe_step"
+_saving = threading.local()
 #: Called whenever a module is made (``embedpipe.hf`` wraps ``save_pretrained``: NOTE
 #: [ save_pretrained on an offloaded model ] in ``hf/saving.py``).
 ON_MADE: list[Callable[[], None]] = []
@@ -51,6 +71,17 @@ def offloaded_embeddings(path: str) -> list[OffloadedEmbedding]:
     refs = _OFFLOADED.get(_resolved(path), [])
     refs[:] = [r for r in refs if r() is not None]
     return [m for m in (r() for r in reversed(refs)) if m is not None]
+
+
+@contextmanager
+def saving_rows() -> Iterator[None]:
+    """Within the block, state dicts taken in this thread leave the table's step out: the
+    folder being saved holds the rows themselves (``save_pretrained``)."""
+    _saving.rows = True
+    try:
+        yield
+    finally:
+        _saving.rows = False
 
 
 def read_through(module: OffloadedEmbedding, pipe: Any) -> None:
@@ -84,6 +115,8 @@ def finish_embeds(
     modules = offloaded_embeddings(path)
     if not modules:
         return embeds if recorded is None else scaled(embeds, recorded)
+    for module in modules:
+        module.check_loaded_step()
     table = None if recorded is None else float(recorded)
     scales = {table if m.scale_value is None else m.scale_value for m in modules}
     if table is not None:
@@ -155,6 +188,9 @@ class OffloadedEmbedding(nn.Module):
             self.embed_scale = embed_scale
         # the module it replaced, without its weight (not a submodule: out of .modules())
         object.__setattr__(self, "_template", None)
+        #: the table's step a state dict loaded into the model was taken at (NOTE [ A state
+        #: dict keeps the table's step ]); None once checked
+        self._loaded_step: int | None = None
         # a pipe made on the table from now on finds it (and attaches its parameter to it)
         self._register(path)
         for made in ON_MADE:
@@ -283,17 +319,48 @@ class OffloadedEmbedding(nn.Module):
         finally:
             self._parameters["rows"] = rows
 
-    def _save_to_state_dict(self, *args: Any, **kwargs: Any) -> None:
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, *args: Any) -> None:
         with self._without_rows():
-            super()._save_to_state_dict(*args, **kwargs)
+            super()._save_to_state_dict(destination, prefix, *args)
+        step = self.table_step()  # NOTE [ A state dict keeps the table's step ]
+        if step is not None and not getattr(_saving, "rows", False):
+            destination[prefix + STEP_KEY] = torch.tensor(step, dtype=torch.int64)
 
     def _load_from_state_dict(
         self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
     ) -> None:
         if getattr(self, "_skip_weight", False):  # a checkpoint's copy of the table's rows
             state_dict.pop(prefix + "weight", None)
+        step = state_dict.pop(prefix + STEP_KEY, None)
+        self._loaded_step = None if step is None else int(step)
         with self._without_rows():
             super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def table_step(self) -> int | None:
+        """The steps the table has taken, where a pipe in this process trains it; else None."""
+        pipe = trained_by(self)
+        if pipe is None or pipe.optimizer is None or pipe._owner.closed:
+            return None
+        return pipe._owner.submitted
+
+    def check_loaded_step(self, step: int | None = None) -> None:
+        """Raise if a state dict loaded into the model was taken at another step of the table
+        than ``step`` (default: :meth:`table_step`); once they agree, forget it (NOTE [ A state
+        dict keeps the table's step ])."""
+        loaded = getattr(self, "_loaded_step", None)
+        step = self.table_step() if step is None else step
+        if loaded is None or step is None:
+            return
+        if loaded != step:
+            raise EmbeddingsOffloadedError(
+                f"a state dict loaded into this model was taken when the table {self.path} "
+                f"had taken {loaded} steps, and it has taken {step}: it restored the model's "
+                "other weights, not its word embeddings, which live in the table. Load the "
+                f"table's snapshot of step {loaded} as well (pipe.load_checkpoint(folder), "
+                "saved by pipe.save_checkpoint(folder) with that state dict), or load a "
+                f"state dict taken at step {step}"
+            )
+        self._loaded_step = None
 
     def _error(self) -> EmbeddingsOffloadedError:
         return EmbeddingsOffloadedError(

@@ -318,6 +318,8 @@ def test_a_word_embedding_that_scales_its_rows_trains_and_restores_as_it_was(tmp
             optimizer.zero_grad()
         assert torch.equal(pipe.table.to_tensor(), weight)
         state, expected = model.state_dict(), reference.state_dict()
+        assert set(state) - set(expected) == {"model.embed_tokens.embedpipe_step"}
+        assert int(state.pop("model.embed_tokens.embedpipe_step")) == len(data) // 4
         assert set(expected) - set(state) == {"model.embed_tokens.weight"}
         assert all(torch.equal(v, expected[k]) for k, v in state.items())
         restore(model, pipe)
