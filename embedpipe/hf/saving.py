@@ -30,6 +30,7 @@ import functools
 import inspect
 import json
 import os
+import struct
 import sys
 import threading
 import warnings
@@ -41,9 +42,9 @@ from typing import Any
 from torch import nn
 
 from ..errors import EmbeddingsOffloadedError, ShardMismatchError
-from ..pipe.placeholder import OffloadedEmbedding, saving_rows, trained_by
+from ..pipe.placeholder import OffloadedEmbedding, rows_path, saving_rows, trained_by
 from ..store.table import Table
-from ..store.transfer import add_table_to_safetensors, export_table
+from ..store.transfer import add_table_to_safetensors
 
 #: The shard of a sharded save's model files that holds the word embeddings.
 EMBEDDINGS_SHARD = "model-embedpipe-word-embeddings.safetensors"
@@ -71,22 +72,25 @@ def keep_word_embeddings() -> None:
         given = signature.bind(self, *args, **kwargs).arguments
         state_dict = given.get("state_dict") or {}  # the rows given by the caller are theirs
         offloaded = [(key, module) for key, module in offloaded if key not in state_dict]
-        if given.get("push_to_hub"):
+        if given.get("push_to_hub") and offloaded:
             raise EmbeddingsOffloadedError(
                 "save_pretrained(push_to_hub=True) on a model whose word embeddings are "
                 "offloaded would upload the folder before embedpipe adds them: save it with "
                 "push_to_hub=False, or call model.push_to_hub(...)"
             )
-        tables = [_table_of(placeholder) for _, placeholder in offloaded]
+        if getattr(self, "_hf_peft_config_loaded", False):  # the adapters only: no rows
+            return original(self, *args, **kwargs)
+        tables = {id(m): _table_of(m) for _, m in offloaded}  # one for aliases (BART's shared)
+        folder, variant = os.fspath(given["save_directory"]), given.get("variant")
         try:
+            before = model_files(folder, variant)
             with saving_rows():  # the folder holds the rows, not the table's step
                 result = original(self, *args, **kwargs)
             if self.should_save_on_this_rank(given.get("is_main_process", True)):
-                folder = os.fspath(given["save_directory"])
-                for (key, _), (table, _) in zip(offloaded, tables):
-                    add_word_embeddings(folder, table, key, given.get("variant"))
+                rows = {key: tables[id(m)][0] for key, m in offloaded}
+                add_word_embeddings(folder, rows, before, variant)
         finally:
-            for table, opened in tables:
+            for table, opened in tables.values():
                 if opened:
                     table.close()
         return result
@@ -99,45 +103,86 @@ def keep_word_embeddings() -> None:
 def leaving_word_embeddings_out() -> Iterator[None]:
     """Within the block, ``save_pretrained`` in this thread saves as transformers does: a
     Trainer checkpoint adds the rows of its own snapshot afterwards."""
-    _local.off = True
+    was, _local.off = getattr(_local, "off", False), True
     try:
         with saving_rows():  # the folder will hold the rows, not the table's step
             yield
     finally:
-        _local.off = False
+        _local.off = was
 
 
-def add_word_embeddings(folder: str, table: Table, key: str, variant: str | None = None) -> None:
-    """Stream ``table``'s rows into the model file(s) ``save_pretrained`` wrote in ``folder``
-    as the tensor ``key``; warns where it wrote none in safetensors."""
-    model_file = os.path.join(folder, _with_variant("model.safetensors", variant))
-    index_file = os.path.join(folder, _with_variant("model.safetensors.index.json", variant))
-    if os.path.isfile(model_file):
-        add_table_to_safetensors(Path(model_file), table, key)
-    elif os.path.isfile(index_file):  # sharded: the embeddings in a shard of their own
-        shard = _with_variant(EMBEDDINGS_SHARD, variant)
-        export_table(table, os.path.join(folder, shard), key=key)
+def model_files(folder: str, variant: str | None = None) -> dict[str, Any]:
+    """The model files ``save_pretrained`` writes in ``folder`` (one file, then the index of a
+    sharded save), each with what tells a later write of it (``None``: absent)."""
+    names = ("model.safetensors", "model.safetensors.index.json")
+    return {
+        path: _seen(path)
+        for path in (os.path.join(folder, _with_variant(n, variant)) for n in names)
+    }
+
+
+def _seen(path: str) -> tuple[int, int, int] | None:
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
+def _held(path: str) -> set[str]:
+    """The tensors of the safetensors file ``path``."""
+    with open(path, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        return set(json.loads(f.read(size))) - {"__metadata__"}
+
+
+def add_word_embeddings(
+    folder: str, rows: dict[str, Table], before: dict[str, Any], variant: str | None = None
+) -> None:
+    """Stream each table of ``rows`` into the model file ``save_pretrained`` has just written
+    in ``folder`` (``before``: :func:`model_files` before it wrote) as the tensor of its key: in
+    the model file, or in a shard of their own added to the index of a sharded save. Keys the
+    file holds already are left as they are; warns where it wrote no model file in
+    safetensors. Files an earlier save left are never taken for the new ones."""
+    model_file, index_file = list(before)
+    written = [path for path, seen in before.items() if _seen(path) not in (None, seen)]
+    if model_file in written:
+        held = _held(model_file)
+        rows = {k: t for k, t in rows.items() if k not in held}
+        if rows:
+            add_table_to_safetensors(Path(model_file), rows)
+    elif index_file in written:  # sharded: the embeddings in a shard of their own
         with open(index_file) as f:
             index = json.load(f)
-        index["weight_map"][key] = shard
+        rows = {k: t for k, t in rows.items() if k not in index["weight_map"]}
+        if not rows:
+            return
+        shard = _with_variant(EMBEDDINGS_SHARD, variant)
+        shard_path = Path(folder, shard)
+        shard_path.unlink(missing_ok=True)  # an earlier save's
+        add_table_to_safetensors(shard_path, rows)
+        index["weight_map"].update(dict.fromkeys(rows, shard))
         with open(index_file + ".tmp", "w") as f:
             json.dump(index, f, indent=2)
         os.replace(index_file + ".tmp", index_file)
     else:
+        tables = sorted({t.path for t in rows.values()})
         warnings.warn(
-            f"{folder} holds no model.safetensors: the word embeddings {key} are only in "
-            f"{table.path}, and from_pretrained on the folder gives freshly initialised ones; "
-            "save in safetensors, or put the rows back first with embedpipe.hf.restore",
+            f"{folder}: no model.safetensors was written there, so the word embeddings "
+            f"{sorted(rows)} are only in {', '.join(tables)}, and from_pretrained on the "
+            "folder gives freshly initialised ones; save in safetensors, or put the rows back "
+            "first with embedpipe.hf.restore",
             RuntimeWarning,
             stacklevel=4,
         )
 
 
 def offloaded_keys(model: nn.Module) -> list[tuple[str, OffloadedEmbedding]]:
-    """``(key of its rows, module)`` for each offloaded embedding in ``model``."""
+    """``(key of its rows, module)`` for each offloaded embedding in ``model``, under each of
+    its names (BART's encoder and decoder hold the module that stands for ``shared``)."""
     return [
         (f"{name}.weight" if name else "weight", module)
-        for name, module in model.named_modules()
+        for name, module in model.named_modules(remove_duplicate=False)
         if isinstance(module, OffloadedEmbedding)
     ]
 
@@ -157,8 +202,7 @@ def _table_of(placeholder: OffloadedEmbedding) -> tuple[Table, bool]:
                 "is_main_process=(rank == 0)"
             ) from e
         return pipe.table, False
-    path = pipe.table.path if pipe is not None else placeholder.path
-    table = Table.open(path, "r")
+    table = Table.open(rows_path(placeholder), "r")  # as committed (by the pipe's close)
     try:
         placeholder.check_loaded_step(table.step)
     except BaseException:

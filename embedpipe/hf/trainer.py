@@ -47,10 +47,11 @@ from transformers.utils import is_datasets_available
 
 from ..pipe.handle import EmbeddingPipe
 from ..pipe.meter import PipeMeter
+from ..pipe.placeholder import rows_path
 from ..store.table import Table
 from ..worker.batch import INPUTS_EMBEDS, EmbeddedBatch
 from ..worker.collate import PadCollator
-from .saving import add_word_embeddings, leaving_word_embeddings_out, offloaded_keys
+from .saving import add_word_embeddings, leaving_word_embeddings_out, model_files, offloaded_keys
 
 if is_datasets_available():
     import datasets
@@ -262,6 +263,8 @@ class Trainer(transformers.Trainer):
             # first: a folder without it is no checkpoint. A table sharded over the ranks
             # (torchrun) is saved by every rank together; rank 0 writes the folder
             self.pipe.save_checkpoint(snapshot)
+        checkpoint = os.path.dirname(snapshot)
+        before = model_files(checkpoint)
         self._checkpointing = True
         try:
             with leaving_word_embeddings_out():  # the snapshot's rows, added below
@@ -269,16 +272,17 @@ class Trainer(transformers.Trainer):
         finally:
             self._checkpointing = False
         if self.args.should_save:
-            checkpoint = os.path.dirname(snapshot)
             with Table.open(snapshot, "r") as table:
-                self._add_word_embeddings(checkpoint, table)
+                self._add_word_embeddings(checkpoint, table, before)
 
-    def _add_word_embeddings(self, folder: str, table: Table) -> None:
-        """Write ``table``'s rows into the model file Trainer saved in ``folder`` as the word
-        embeddings, so ``from_pretrained(folder)`` loads the trained ones (NOTE [ Checkpoints
-        load with their word embeddings ]). Streamed: the table is never whole in memory."""
-        for key, _ in offloaded_keys(self.model):
-            add_word_embeddings(folder, table, key)
+    def _add_word_embeddings(self, folder: str, table: Table, before: dict[str, Any]) -> None:
+        """Write ``table``'s rows into the model file Trainer has just saved in ``folder``
+        (``before``: :func:`model_files` before) as the word embeddings of every module the pipe
+        trains, so ``from_pretrained(folder)`` loads the trained ones (NOTE [ Checkpoints load
+        with their word embeddings ]). Streamed: the table is never whole in memory."""
+        mine = os.path.realpath(self.pipe.table.path)
+        keys = [k for k, m in offloaded_keys(self.model) if os.path.realpath(rows_path(m)) == mine]
+        add_word_embeddings(folder, dict.fromkeys(keys, table), before)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the model for ``from_pretrained``, with the table's trained rows as its word
@@ -289,16 +293,17 @@ class Trainer(transformers.Trainer):
         closed = self.pipe._owner.closed
         if not closed:  # every rank's rows in the table's files (under torchrun: every rank)
             self.pipe.flush()
+        folder = output_dir if output_dir is not None else self.args.output_dir
+        before = model_files(folder)
         with leaving_word_embeddings_out():  # the model file as Trainer writes it; rows below
             super().save_model(output_dir, _internal_call)
         if not self.args.should_save:
             return
-        folder = output_dir if output_dir is not None else self.args.output_dir
         if closed:  # the table as committed at close
             with Table.open(self.pipe.table.path, "r") as table:
-                self._add_word_embeddings(folder, table)
+                self._add_word_embeddings(folder, table, before)
         else:
-            self._add_word_embeddings(folder, self.pipe.table)
+            self._add_word_embeddings(folder, self.pipe.table, before)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         from .offloading import skipping_word_embeddings

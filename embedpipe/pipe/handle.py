@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from functools import partial
 from typing import Any
 
@@ -233,10 +234,9 @@ class EmbeddingPipe:
             table.path,
             recorded_scale(table.metadata),
             in_model=recorded_in_model(table.metadata),
+            trainer=weakref.ref(self) if optimizer is not None else None,
         )
-        self.optimizer = optimizer
-        self.consistency = consistency
-        self.padding_idx = padding_idx
+        self.optimizer, self.consistency, self.padding_idx = optimizer, consistency, padding_idx
         if optimizer is not None:  # table.read() sees the pipe's rows
             table._reads_after(self._owner.before_read)
             for placeholder in placeholders:

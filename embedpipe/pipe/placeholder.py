@@ -46,7 +46,7 @@ from .rowscale import scale_of, scaled, without_weight
 _OFFLOADED: dict[str, list[weakref.ref[OffloadedEmbedding]]] = {}
 #: The pipe whose table holds each module's rows as trained so far (weakly): the one that
 #: adopted it, or attached it to a copy of its table.
-_PIPES: weakref.WeakKeyDictionary[OffloadedEmbedding, weakref.ref[Any]] = (
+_PIPES: weakref.WeakKeyDictionary[OffloadedEmbedding, tuple[weakref.ref[Any], str]] = (
     weakref.WeakKeyDictionary()
 )
 #: The key a state dict keeps the table's step under (NOTE [ A state dict keeps the table's
@@ -86,14 +86,20 @@ def saving_rows() -> Iterator[None]:
 
 def read_through(module: OffloadedEmbedding, pipe: Any) -> None:
     """``pipe``'s table holds ``module``'s rows from now on (:func:`trained_by`)."""
-    _PIPES[module] = weakref.ref(pipe)
+    _PIPES[module] = (weakref.ref(pipe), pipe.table.path)
 
 
 def trained_by(module: OffloadedEmbedding) -> Any:
-    """The pipe whose table holds ``module``'s rows, if it is still alive; else None (the
-    table at ``module.path`` does)."""
-    ref = _PIPES.get(module)
-    return None if ref is None else ref()
+    """The pipe whose table holds ``module``'s rows, if it is still alive; else None."""
+    pipe, _ = _PIPES.get(module, (lambda: None, None))
+    return pipe()
+
+
+def rows_path(module: OffloadedEmbedding) -> str:
+    """The path of the table holding ``module``'s rows: the last pipe's that trained or read
+    it (a copy of its table, attached), alive or not; else its own."""
+    _, path = _PIPES.get(module, (None, None))
+    return module.path if path is None else path
 
 
 def finish_embeds(
@@ -103,6 +109,7 @@ def finish_embeds(
     ids: Callable[[], torch.Tensor],
     *,
     in_model: bool = False,
+    trainer: Callable[[], Any] | None = None,
 ) -> torch.Tensor:
     """``embeds`` gathered from the table at ``path`` for the batch's ``ids()`` as the models
     offloaded to it take them (:meth:`OffloadedEmbedding.finish`): in their dtype (a model cast
@@ -115,7 +122,10 @@ def finish_embeds(
     modules = offloaded_embeddings(path)
     if not modules:
         return embeds if recorded is None else scaled(embeds, recorded)
+    pipe = None if trainer is None else trainer()  # (a weak reference)
     for module in modules:
+        if pipe is not None:  # this pipe trains the rows it reads (a module made after it too)
+            read_through(module, pipe)
         module.check_loaded_step()
     table = None if recorded is None else float(recorded)
     scales = {table if m.scale_value is None else m.scale_value for m in modules}

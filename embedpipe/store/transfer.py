@@ -185,31 +185,40 @@ def _write_safetensors(
         _write_rows(f, table, advance)
 
 
-def add_table_to_safetensors(path: Path, table: Table, key: str) -> None:
-    """Add the table's weights to the safetensors file ``path`` as the tensor ``key``: its
-    header and tensors are copied, then the rows streamed after them, into a file that replaces
-    ``path`` once complete (a checkpoint's ``model.safetensors`` gets the word embeddings that
-    ``from_pretrained`` expects there)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(path, "rb") as f, open(tmp, "wb") as out:
+def add_table_to_safetensors(path: Path, tables: dict[str, Table]) -> None:
+    """Add the weights of each table to the safetensors file ``path``, as the tensor of its
+    key: the file's header and tensors are copied, then the rows streamed after them, into a
+    file that replaces ``path`` once complete (a model file ``save_pretrained`` wrote gets the
+    word embeddings that ``from_pretrained`` expects there). A missing ``path`` is made."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "producer": "embedpipe"}}
+    size = 0
+    if path.exists():
+        with open(path, "rb") as f:
             size = struct.unpack("<Q", f.read(8))[0]
             header = json.loads(f.read(size))
-            if key in header:
-                raise SourceKeyError(f"{path} already holds a tensor {key!r}")
-            tensors = [v for k, v in header.items() if k != "__metadata__"]
-            end = max((v["data_offsets"][1] for v in tensors), default=0)
-            header[key] = _table_entry(table, end)
+    held = sorted(set(tables) & set(header))
+    if held:
+        raise SourceKeyError(f"{path} already holds the tensors {held}")
+    offsets = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    copied = end = max(offsets, default=0)
+    for key, table in tables.items():
+        header[key] = _table_entry(table, end)
+        end = header[key]["data_offsets"][1]
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as out:
             _write_header(out, header)
-            f.seek(8 + size)
-            left = end
-            while left:
-                block = f.read(min(left, 16 << 20))
-                if not block:
-                    raise SourceFormatError(f"{path}: shorter than its header says; save it again")
-                out.write(block)
-                left -= len(block)
-            _write_rows(out, table, lambda n: None)
+            if copied:
+                with open(path, "rb") as f:
+                    f.seek(8 + size)
+                    while copied:
+                        block = f.read(min(copied, 16 << 20))
+                        if not block:
+                            raise SourceFormatError(f"{path}: shorter than its header says")
+                        out.write(block)
+                        copied -= len(block)
+            for table in tables.values():
+                _write_rows(out, table, lambda n: None)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -97,6 +97,15 @@ def xglm() -> torch.nn.Module:
     return untie(transformers.XGLMForCausalLM(config)).eval()
 
 
+def bart_config(**overrides):
+    """A tiny BART (transformers 5: its encoder and decoder embeddings are ``shared``)."""
+    return transformers.BartConfig(
+        vocab_size=V, d_model=D, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=64, **overrides,
+    )  # fmt: skip
+
+
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, V, (3, 9), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -660,11 +669,7 @@ def test_a_model_whose_encoder_has_an_embedding_of_its_own_is_refused(tmp_path):
     """BART with tie_word_embeddings=False: set_input_embeddings would replace the encoder's own
     embedding too, and the encoder would read the shared table's rows instead, without an error."""
     torch.manual_seed(0)
-    config = transformers.BartConfig(
-        vocab_size=V, d_model=D, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
-        max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
+    config = bart_config(tie_word_embeddings=False)
     model = transformers.BartModel(config)
     assert model.encoder.embed_tokens is not model.shared
     with pytest.raises(errors.InvalidRowsError, match="also replaces encoder.embed_tokens"):
@@ -755,11 +760,7 @@ def test_hooks_on_an_alias_of_the_word_embedding_are_refused(tmp_path):
     `encoder.embed_tokens`, another module over the same weight. offload puts the placeholder
     in both places and runs the hooks of the first only: hooks on the second are refused."""
     torch.manual_seed(0)
-    config = transformers.BartConfig(
-        vocab_size=V, d_model=D, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
-        max_position_embeddings=64,
-    )  # fmt: skip
+    config = bart_config()
     model = transformers.BartModel(config)
     model.encoder.embed_tokens.register_forward_hook(plus_one)
     with pytest.raises(errors.InvalidRowsError, match="hooks are registered on encoder.embed_"):

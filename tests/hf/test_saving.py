@@ -5,6 +5,7 @@ model ] in ``embedpipe/hf/saving.py``). Before, the folder had no word embedding
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -14,6 +15,7 @@ import embedpipe
 import embedpipe.hf
 
 from ..frameworks import ADAGRAD, bert, offloaded, samples
+from .test_hf import V, bart_config
 
 transformers = pytest.importorskip("transformers", reason="an optional extra")
 
@@ -143,8 +145,57 @@ def test_a_model_attached_to_a_pipe_on_a_copy_saves_the_copys_rows(tmp_path):
         train(model, pipe)
         model.save_pretrained(tmp_path / "saved")
         trained = pipe.table.to_tensor()
+    del pipe
+    gc.collect()
+    model.save_pretrained(tmp_path / "after")  # the pipe is gone: its table as committed
     assert torch.equal(word_embeddings(tmp_path / "saved"), trained)
+    assert torch.equal(word_embeddings(tmp_path / "after"), trained)
     assert not torch.equal(trained, embedpipe.Table.open(tmp_path / "t.zarr").to_tensor())
+
+
+def test_a_model_offloaded_by_hand_after_the_pipe_saves_the_rows_it_trained(tmp_path):
+    model = bert(dropout=0.0)
+    embedpipe.hf.offload(model, tmp_path / "t.zarr").close()
+    with pipe_on(tmp_path / "t.zarr") as pipe:
+        rebuilt = bert(seed=1, dropout=0.0)  # made after the pipe: never attached to it
+        rebuilt.set_input_embeddings(
+            embedpipe.hf.OffloadedEmbedding.replacing(
+                rebuilt.get_input_embeddings(), str(tmp_path / "t.zarr")
+            )
+        )
+        train(rebuilt, pipe)
+        rebuilt.save_pretrained(tmp_path / "saved")
+        trained = pipe.table.to_tensor()
+    assert torch.equal(word_embeddings(tmp_path / "saved"), trained)
+
+
+@pytest.mark.parametrize("second", ["20KB", "50GB"])  # sharded again, or whole
+def test_a_save_over_an_earlier_sharded_one_holds_the_new_rows(tmp_path, second):
+    model = bert(dropout=0.0)
+    embedpipe.hf.offload(model, tmp_path / "t.zarr").close()
+    with pipe_on(tmp_path / "t.zarr") as pipe:
+        model.save_pretrained(tmp_path / "saved", max_shard_size="20KB")
+        train(model, pipe)
+        model.save_pretrained(tmp_path / "saved", max_shard_size=second)
+        trained = pipe.table.to_tensor()
+    assert torch.equal(word_embeddings(tmp_path / "saved"), trained)
+
+
+def test_an_encoder_decoder_untied_and_offloaded_loads_its_encoder_and_decoder_rows(tmp_path):
+    """BART's encoder and decoder embeddings are its ``shared`` one; after ``untie``,
+    transformers saves ``shared`` alone and gives the two others fresh rows at load (see
+    docs/huggingface.md, Tying). Offloaded, the rows are saved under all three names."""
+    torch.manual_seed(0)
+    config = bart_config()
+    model = embedpipe.hf.untie(transformers.BartForConditionalGeneration(config)).eval()
+    ids = torch.randint(4, V, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(input_ids=ids, decoder_input_ids=ids).logits
+    embedpipe.hf.offload(model, tmp_path / "t.zarr").close()
+    model.save_pretrained(tmp_path / "saved")
+    reloaded = type(model).from_pretrained(tmp_path / "saved").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids, decoder_input_ids=ids).logits, expected)
 
 
 def test_rows_given_in_the_state_dict_are_saved_as_given(tmp_path):
