@@ -23,6 +23,7 @@ from ..owner.gradient import OFFLOADED
 from ..pipe.derived import unwatch, watch
 from ..pipe.placeholder import OffloadedEmbedding, ignore_in_ddp
 from ..pipe.rowscale import recorded_scale
+from ..pipe.rowsource import pipe_step
 from ..ranks.shards import process_group
 from ..store.table import Table
 from .probe import check, refuse_displacing, swapped_in
@@ -192,7 +193,7 @@ def _embedding_of(model: nn.Module, source: Any) -> nn.Module:
                 placeholder.check_loaded_step(table.step)
                 weight, metadata = table.to_tensor(), table.metadata
         else:
-            placeholder.check_loaded_step(source._owner.submitted)
+            placeholder.check_loaded_step(pipe_step(source))
             source.flush()
             weight, metadata = source.table.to_tensor(), source.table.metadata
     elif isinstance(source, Table):

@@ -42,7 +42,8 @@ from typing import Any
 from torch import nn
 
 from ..errors import EmbeddingsOffloadedError, ShardMismatchError
-from ..pipe.placeholder import OffloadedEmbedding, rows_path, saving_rows, trained_by
+from ..pipe.placeholder import OffloadedEmbedding
+from ..pipe.rowsource import check_step, rows_path, saving_rows, taken_at, trained_by
 from ..store.table import Table
 from ..store.transfer import add_table_to_safetensors
 
@@ -69,7 +70,10 @@ def keep_word_embeddings() -> None:
         offloaded = offloaded_keys(self)
         if not offloaded or getattr(_local, "off", False):
             return original(self, *args, **kwargs)
-        given = signature.bind(self, *args, **kwargs).arguments
+        bound = signature.bind(self, *args, **kwargs)
+        given = bound.arguments
+        if given.get("state_dict") is not None:  # its steps checked, and left out of the folder
+            given["state_dict"] = _checked(given["state_dict"], offloaded)
         state_dict = given.get("state_dict") or {}  # the rows given by the caller are theirs
         offloaded = [(key, module) for key, module in offloaded if key not in state_dict]
         if given.get("push_to_hub") and offloaded:
@@ -85,7 +89,7 @@ def keep_word_embeddings() -> None:
         try:
             before = model_files(folder, variant)
             with saving_rows():  # the folder holds the rows, not the table's step
-                result = original(self, *args, **kwargs)
+                result = original(*bound.args, **bound.kwargs)
             if self.should_save_on_this_rank(given.get("is_main_process", True)):
                 rows = {key: tables[id(m)][0] for key, m in offloaded}
                 add_word_embeddings(folder, rows, before, variant)
@@ -185,6 +189,17 @@ def offloaded_keys(model: nn.Module) -> list[tuple[str, OffloadedEmbedding]]:
         for name, module in model.named_modules(remove_duplicate=False)
         if isinstance(module, OffloadedEmbedding)
     ]
+
+
+def _checked(
+    state_dict: dict[str, Any], offloaded: list[tuple[str, OffloadedEmbedding]]
+) -> dict[str, Any]:
+    """``state_dict`` without the table's steps it holds, each checked against the table's
+    (NOTE [ A state dict keeps the table's step ] in ``pipe/rowsource.py``)."""
+    state_dict = dict(state_dict)
+    for key, module in offloaded:
+        check_step(module, taken_at(state_dict, key.removesuffix("weight")))
+    return state_dict
 
 
 def _table_of(placeholder: OffloadedEmbedding) -> tuple[Table, bool]:

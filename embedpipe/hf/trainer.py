@@ -47,7 +47,7 @@ from transformers.utils import is_datasets_available
 
 from ..pipe.handle import EmbeddingPipe
 from ..pipe.meter import PipeMeter
-from ..pipe.placeholder import rows_path
+from ..pipe.rowsource import rows_path
 from ..store.table import Table
 from ..worker.batch import INPUTS_EMBEDS, EmbeddedBatch
 from ..worker.collate import PadCollator

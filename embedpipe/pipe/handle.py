@@ -33,8 +33,9 @@ from ..service.rank import RankOwner, open_shared
 from ..store.checkpoints import Checkpoint
 from ..store.table import Table
 from .derived import watch
-from .placeholder import finish_embeds, ignore_in_ddp, offloaded_embeddings, read_through
+from .placeholder import OffloadedEmbedding, finish_embeds, ignore_in_ddp, offloaded_embeddings
 from .rowscale import recorded_in_model, recorded_scale
+from .rowsource import read_through
 from .unclosed import close_when_collected
 
 CONSISTENCY = ("exact", "bounded")
@@ -234,7 +235,7 @@ class EmbeddingPipe:
             table.path,
             recorded_scale(table.metadata),
             in_model=recorded_in_model(table.metadata),
-            trainer=weakref.ref(self) if optimizer is not None else None,
+            reader=weakref.ref(self),
         )
         self.optimizer, self.consistency, self.padding_idx = optimizer, consistency, padding_idx
         if optimizer is not None:  # table.read() sees the pipe's rows
@@ -301,8 +302,6 @@ class EmbeddingPipe:
         Done by itself for models offloaded in this process to the table's path; call it for
         one offloaded to a table this pipe reads a copy of. A frozen pipe puts no parameter in.
         """
-        from .placeholder import OffloadedEmbedding
-
         embeddings = getattr(model, "get_input_embeddings", lambda: None)()
         if not isinstance(embeddings, OffloadedEmbedding):
             found = [m for m in model.modules() if isinstance(m, OffloadedEmbedding)]

@@ -6,28 +6,14 @@ Every one made in this process is registered by its table's path: a pipe on that
 them (``EmbeddingPipe.attach``) and asks them for the dtype ``inputs_embeds`` should have.
 ``embedpipe.hf.offload`` makes one; ``embedpipe.lightning`` and DDP see it through
 :func:`ignore_in_ddp`.
-
-NOTE [ A state dict keeps the table's step ]
-A model's ``state_dict()`` leaves the offloaded rows out: they live in the table. Loading a
-state dict taken earlier (an early stop going back to its best weights, a resume, Lightning's
-``ckpt_path``) restores every other weight and leaves the table where it is, so the model pairs
-the weights of one step with the word embeddings of another, with no error; with
-``nn.Embedding`` the rows would go back too. So where a pipe in this process trains the table,
-each state dict holds the table's step (the steps it has taken: ``<embedding>.embedpipe_step``,
-a 0-d int64 tensor), and loading one records that step in the module. The next read of a
-batch's ``inputs_embeds``, ``save_pretrained`` and ``restore`` compare it with the table's
-step: equal (the table's snapshot of that step was loaded too, with ``pipe.load_checkpoint``,
-as Trainer's and Lightning's resumes do; or nothing stepped since), it is forgotten; different,
-they raise :class:`EmbeddingsOffloadedError`. A state dict without the key (an older one, a
-frozen table's) is not checked. ``save_pretrained`` leaves the key out (:func:`saving_rows`):
-its folder holds the rows themselves.
+The table's step in its state dicts: NOTE [ A state dict keeps the table's step ] in
+``rowsource.py``.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,19 +26,11 @@ from torch import nn
 from ..errors import EmbeddingsOffloadedError
 from .callhooks import Hooked, forward_hooks, has_hooks, take_hooks
 from .rowscale import scale_of, scaled, without_weight
+from .rowsource import check_step, pipe_step, read_through, stamp, taken_at
 
 #: The offloaded embedding modules of this process, by table path, oldest first: a pipe on that
 #: table adopts the newest one's gradient parameter and attaches it to all of them.
 _OFFLOADED: dict[str, list[weakref.ref[OffloadedEmbedding]]] = {}
-#: The pipe whose table holds each module's rows as trained so far (weakly): the one that
-#: adopted it, or attached it to a copy of its table.
-_PIPES: weakref.WeakKeyDictionary[OffloadedEmbedding, tuple[weakref.ref[Any], str]] = (
-    weakref.WeakKeyDictionary()
-)
-#: The key a state dict keeps the table's step under (NOTE [ A state dict keeps the table's
-#: step ]), beside the module's other keys.
-STEP_KEY = "embedpipe_step"
-_saving = threading.local()
 #: Called whenever a module is made (``embedpipe.hf`` wraps ``save_pretrained``: NOTE
 #: [ save_pretrained on an offloaded model ] in ``hf/saving.py``).
 ON_MADE: list[Callable[[], None]] = []
@@ -73,35 +51,6 @@ def offloaded_embeddings(path: str) -> list[OffloadedEmbedding]:
     return [m for m in (r() for r in reversed(refs)) if m is not None]
 
 
-@contextmanager
-def saving_rows() -> Iterator[None]:
-    """Within the block, state dicts taken in this thread leave the table's step out: the
-    folder being saved holds the rows themselves (``save_pretrained``)."""
-    _saving.rows = True
-    try:
-        yield
-    finally:
-        _saving.rows = False
-
-
-def read_through(module: OffloadedEmbedding, pipe: Any) -> None:
-    """``pipe``'s table holds ``module``'s rows from now on (:func:`trained_by`)."""
-    _PIPES[module] = (weakref.ref(pipe), pipe.table.path)
-
-
-def trained_by(module: OffloadedEmbedding) -> Any:
-    """The pipe whose table holds ``module``'s rows, if it is still alive; else None."""
-    pipe, _ = _PIPES.get(module, (lambda: None, None))
-    return pipe()
-
-
-def rows_path(module: OffloadedEmbedding) -> str:
-    """The path of the table holding ``module``'s rows: the last pipe's that trained or read
-    it (a copy of its table, attached), alive or not; else its own."""
-    _, path = _PIPES.get(module, (None, None))
-    return module.path if path is None else path
-
-
 def finish_embeds(
     path: str,
     recorded: float | torch.Tensor | None,
@@ -109,7 +58,7 @@ def finish_embeds(
     ids: Callable[[], torch.Tensor],
     *,
     in_model: bool = False,
-    trainer: Callable[[], Any] | None = None,
+    reader: Callable[[], Any] | None = None,
 ) -> torch.Tensor:
     """``embeds`` gathered from the table at ``path`` for the batch's ``ids()`` as the models
     offloaded to it take them (:meth:`OffloadedEmbedding.finish`): in their dtype (a model cast
@@ -122,11 +71,13 @@ def finish_embeds(
     modules = offloaded_embeddings(path)
     if not modules:
         return embeds if recorded is None else scaled(embeds, recorded)
-    pipe = None if trainer is None else trainer()  # (a weak reference)
-    for module in modules:
-        if pipe is not None:  # this pipe trains the rows it reads (a module made after it too)
+    pipe = None if reader is None else reader()  # (a weak reference) the pipe reading
+    if pipe is not None:
+        for module in modules:  # its table holds their rows (a module made after it too)
             read_through(module, pipe)
-        module.check_loaded_step()
+        # the newest module: the one the batch is made for (NOTE [ A state dict keeps the
+        # table's step ] in rowsource.py)
+        modules[0].check_loaded_step(pipe_step(pipe))
     table = None if recorded is None else float(recorded)
     scales = {table if m.scale_value is None else m.scale_value for m in modules}
     if table is not None:
@@ -332,45 +283,25 @@ class OffloadedEmbedding(nn.Module):
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, *args: Any) -> None:
         with self._without_rows():
             super()._save_to_state_dict(destination, prefix, *args)
-        step = self.table_step()  # NOTE [ A state dict keeps the table's step ]
-        if step is not None and not getattr(_saving, "rows", False):
-            destination[prefix + STEP_KEY] = torch.tensor(step, dtype=torch.int64)
+        stamp(self, destination, prefix)  # NOTE [ A state dict keeps the table's step ]
 
     def _load_from_state_dict(
         self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
     ) -> None:
         if getattr(self, "_skip_weight", False):  # a checkpoint's copy of the table's rows
             state_dict.pop(prefix + "weight", None)
-        step = state_dict.pop(prefix + STEP_KEY, None)
-        self._loaded_step = None if step is None else int(step)
+        taken = taken_at(state_dict, prefix)
+        if taken is not None:  # (one without it, a partial load, leaves the record)
+            self._loaded_step = taken
         with self._without_rows():
             super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def table_step(self) -> int | None:
-        """The steps the table has taken, where a pipe in this process trains it; else None."""
-        pipe = trained_by(self)
-        if pipe is None or pipe.optimizer is None or pipe._owner.closed:
-            return None
-        return pipe._owner.submitted
-
     def check_loaded_step(self, step: int | None = None) -> None:
         """Raise if a state dict loaded into the model was taken at another step of the table
-        than ``step`` (default: :meth:`table_step`); once they agree, forget it (NOTE [ A state
-        dict keeps the table's step ])."""
-        loaded = getattr(self, "_loaded_step", None)
-        step = self.table_step() if step is None else step
-        if loaded is None or step is None:
-            return
-        if loaded != step:
-            raise EmbeddingsOffloadedError(
-                f"a state dict loaded into this model was taken when the table {self.path} "
-                f"had taken {loaded} steps, and it has taken {step}: it restored the model's "
-                "other weights, not its word embeddings, which live in the table. Load the "
-                f"table's snapshot of step {loaded} as well (pipe.load_checkpoint(folder), "
-                "saved by pipe.save_checkpoint(folder) with that state dict), or load a "
-                f"state dict taken at step {step}"
-            )
-        self._loaded_step = None
+        than ``step`` (default: ``rowsource.table_step``); once they agree, forget it (NOTE
+        [ A state dict keeps the table's step ] in ``rowsource.py``)."""
+        if check_step(self, getattr(self, "_loaded_step", None), step):
+            self._loaded_step = None
 
     def _error(self) -> EmbeddingsOffloadedError:
         return EmbeddingsOffloadedError(

@@ -20,6 +20,7 @@ from embedpipe.hf import (
     restore,
     untie,
 )
+from embedpipe.pipe.rowsource import taken_at
 
 from ..conftest import tiny_bert_config
 from ..frameworks import ADAGRAD, with_adagrad_table
@@ -27,6 +28,7 @@ from ..frameworks import ADAGRAD, with_adagrad_table
 transformers = pytest.importorskip("transformers")
 
 V, D = 1000, 32
+PREFIX = "embeddings.word_embeddings."  # BertModel's
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:
@@ -135,7 +137,9 @@ def test_offload_writes_the_weight_bit_for_bit_and_frees_it(tmp_path):
     assert (placeholder.padding_idx, placeholder.path) == (0, table.path)
     assert [p.shape for p in placeholder.parameters()] == [(0, D)]  # a pipe's gradient, empty
     assert list(placeholder.buffers()) == []
-    assert not any("word_embeddings" in k for k in model.state_dict())
+    state = model.state_dict()  # no rows: the table's step (rowsource.py) in their place
+    assert [k for k in state if "word_embeddings" in k] == [f"{PREFIX}_extra_state"]
+    assert taken_at(state, PREFIX) == 0
     table.close()
 
 
@@ -327,8 +331,8 @@ def test_a_word_embedding_that_scales_its_rows_trains_and_restores_as_it_was(tmp
             optimizer.zero_grad()
         assert torch.equal(pipe.table.to_tensor(), weight)
         state, expected = model.state_dict(), reference.state_dict()
-        assert set(state) - set(expected) == {"model.embed_tokens.embedpipe_step"}
-        assert int(state.pop("model.embed_tokens.embedpipe_step")) == len(data) // 4
+        assert set(state) - set(expected) == {"model.embed_tokens._extra_state"}
+        assert taken_at(state, "model.embed_tokens.") == len(data) // 4
         assert set(expected) - set(state) == {"model.embed_tokens.weight"}
         assert all(torch.equal(v, expected[k]) for k, v in state.items())
         restore(model, pipe)

@@ -17,12 +17,14 @@ import torch
 
 import embedpipe
 import embedpipe.hf
+from embedpipe.pipe.rowsource import encoded, taken_at
 
 from ..frameworks import ADAGRAD, bert, samples
 
 pytest.importorskip("transformers", reason="an optional extra")
 
 BEST, STEPS = 3, 6
+PREFIX = "bert.embeddings.word_embeddings."
 
 
 def loss(model, batch) -> torch.Tensor:
@@ -74,7 +76,7 @@ def trained(tmp_path, request):
 @pytest.mark.parametrize("trained", ["thread", "process"], indirect=True)
 def test_a_state_dict_of_another_step_raises_at_the_next_read_save_and_restore(tmp_path, trained):
     model, pipe, batches, best = trained
-    assert int(best["bert.embeddings.word_embeddings.embedpipe_step"]) == BEST
+    assert taken_at(best, PREFIX, pop=False) == BEST
     model.load_state_dict(best)  # the dense weights of step 3; the table has taken 6 steps
     batch = next(batches)
     with pytest.raises(embedpipe.hf.EmbeddingsOffloadedError, match="taken 3 steps.*taken 6"):
@@ -110,13 +112,79 @@ def test_a_state_dict_of_this_step_or_without_a_step_is_not_refused(trained):
     model.load_state_dict(model.state_dict())  # taken and loaded at step 6
     loss(model, next(batches)).backward()
     pipe.step()
-    del best["bert.embeddings.word_embeddings.embedpipe_step"]  # as an older state dict
+    del best[PREFIX + "_extra_state"]  # as an older state dict
     model.load_state_dict(best)
     next(batches)["inputs_embeds"]  # not checked
 
 
-def test_a_frozen_tables_state_dict_has_no_step(tmp_path):
-    model = bert()
-    table = embedpipe.hf.offload(model, tmp_path / "t.zarr")
-    with embedpipe.EmbeddingPipe(table, cache_rows=50):
-        assert not any(k.endswith("embedpipe_step") for k in model.state_dict())
+def test_an_evaluation_through_a_frozen_pipe_checks_the_state_dict_too(tmp_path, trained):
+    model, pipe, _, best = trained
+    pipe.close()
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=50) as frozen:
+        assert taken_at(model.state_dict(), PREFIX) == STEPS  # the table's step, frozen too
+        model.load_state_dict(best)
+        batch = next(iter(frozen.loader(samples(4), batch_size=4)))
+        with pytest.raises(embedpipe.hf.EmbeddingsOffloadedError, match="taken 3 steps.*taken 6"):
+            batch["inputs_embeds"]
+
+
+def test_a_state_dict_given_to_save_pretrained_is_checked_and_its_step_left_out(tmp_path, trained):
+    model, _, _, best = trained
+    with pytest.raises(embedpipe.hf.EmbeddingsOffloadedError, match="taken 3 steps"):
+        model.save_pretrained(tmp_path / "stale", state_dict=best)
+    model.save_pretrained(tmp_path / "now", state_dict=model.state_dict())
+    _, info = type(model).from_pretrained(tmp_path / "now", output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+
+
+def test_a_partial_load_after_a_stale_one_leaves_it_checked(trained):
+    model, _, batches, best = trained
+    model.load_state_dict(best)
+    head = {k: v for k, v in model.state_dict().items() if k.startswith("classifier")}
+    model.load_state_dict(head, strict=False)  # no step in it: the stale one stays recorded
+    with pytest.raises(embedpipe.hf.EmbeddingsOffloadedError, match="taken 3 steps"):
+        next(batches)["inputs_embeds"]
+
+
+def test_the_step_survives_a_cast_of_the_state_dict_to_a_half_precision():
+    for dtype in (torch.bfloat16, torch.float16):
+        assert taken_at({"e._extra_state": encoded(70_001).to(dtype)}, "e.") == 70_001
+
+
+def test_torchs_distributed_checkpoint_reads_and_loads_the_state_dict(trained):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model, _, batches, best = trained
+    assert taken_at(get_model_state_dict(model), PREFIX) == STEPS
+    set_model_state_dict(model, best)  # stale: raises at the read, as load_state_dict does
+    with pytest.raises(embedpipe.hf.EmbeddingsOffloadedError, match="taken 3 steps"):
+        next(batches)["inputs_embeds"]
+
+
+def test_an_older_model_on_the_table_left_with_a_stale_state_dict_is_not_checked(tmp_path):
+    """A notebook cell run again: the first run's model, kept alive by a traceback, holds a
+    stale load; the new run offloads a new model over the same path and trains."""
+    first = bert(dropout=0.0)
+    table = embedpipe.hf.offload(first, tmp_path / "t.zarr")
+    with embedpipe.EmbeddingPipe(
+        table, cache_rows=50, optimizer=embedpipe.optim.SGD(lr=0.1)
+    ) as pipe:
+        train_steps(first, pipe, 1)
+        state = first.state_dict()
+        train_steps(first, pipe, 1)
+        first.load_state_dict(state)  # taken at step 1; the table is at step 2
+    table.close()
+    second = bert(dropout=0.0)
+    table = embedpipe.hf.offload(second, tmp_path / "t.zarr", overwrite=True)
+    with embedpipe.EmbeddingPipe(
+        table, cache_rows=50, optimizer=embedpipe.optim.SGD(lr=0.1)
+    ) as pipe:
+        train_steps(second, pipe, 2)
+    assert first is not None
+
+
+def train_steps(model, pipe, n: int) -> None:
+    for batch in pipe.loader(samples(4 * n), batch_size=4):
+        loss(model, batch).backward()
+        pipe.step()
+        pipe.parameter.grad = None

@@ -1,0 +1,143 @@
+"""Where an offloaded module's rows are: the pipe that reads them, its table, and the table's
+step a state dict of the model was taken at.
+
+NOTE [ A state dict keeps the table's step ]
+A model's ``state_dict()`` leaves the offloaded rows out: they live in the table. Loading a
+state dict taken earlier (an early stop going back to its best weights, a k-fold reset, a
+resume, Lightning's ``ckpt_path``) restores every other weight and leaves the table where it
+is, so the model pairs the weights of one step with the word embeddings of another, with no
+error; with ``nn.Embedding`` the rows would go back too. So each state dict holds the table's
+step: the steps taken so far where a pipe in this process trains the table, the step of the
+table a pipe reads, or that of the table on disk (:func:`table_step`). It is stored under
+``<embedding>._extra_state`` (torch's name for a module's extra state, which torch's
+distributed checkpoint and ``torch.func`` handle), as 8 base-256 digits in an int64 tensor (a
+state dict cast to bfloat16 or float16 keeps them exact). Loading one records the step in the
+module; a state dict without it leaves an earlier record as it was (a partial load, an
+adapter's). The next read of a batch through a pipe (:func:`check_step`, the newest module on
+the table: the one the batch is made for), ``save_pretrained`` (of the model, or of a state
+dict given to it) and ``restore`` compare it with the table's step: equal (the table's snapshot
+of that step was loaded too, with ``pipe.load_checkpoint``, as Trainer's and Lightning's
+resumes do; or nothing stepped since), it is forgotten; different, they raise
+:class:`EmbeddingsOffloadedError`. A step cannot tell two tables, or two branches of one
+training, apart at the same step: the check is against going back in the dense weights alone.
+``save_pretrained`` leaves the key out of the folder (:func:`saving_rows`): it holds the rows.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from ..errors import EmbeddingsOffloadedError, EmbedpipeError
+from ..store.table import Table
+
+#: The key, after the module's prefix, of the table's step in a state dict.
+STEP_KEY = "_extra_state"
+_DIGITS = 8
+
+#: The pipe whose table holds each module's rows (weakly), and that table's path.
+_PIPES: weakref.WeakKeyDictionary[Any, tuple[weakref.ref[Any], str]] = weakref.WeakKeyDictionary()
+_saving = threading.local()
+
+
+def read_through(module: Any, pipe: Any) -> None:
+    """``pipe``'s table holds ``module``'s rows from now on: ``pipe`` adopted it, was attached
+    to it, or read a batch for it. A frozen pipe never takes the place of an open one that
+    trains the rows (whose files lack its cached rows)."""
+    current = trained_by(module)
+    if pipe.optimizer is None and current is not None and current.optimizer is not None:
+        return
+    _PIPES[module] = (weakref.ref(pipe), pipe.table.path)
+
+
+def trained_by(module: Any) -> Any:
+    """The open pipe whose table holds ``module``'s rows; None if it is closed or gone."""
+    ref, _ = _PIPES.get(module, (lambda: None, None))
+    pipe = ref()
+    return None if pipe is None or pipe._owner.closed else pipe
+
+
+def rows_path(module: Any) -> str:
+    """The path of the table holding ``module``'s rows: the last pipe's that read them (a copy
+    of its table, attached), open or not; else its own."""
+    _, path = _PIPES.get(module, (None, None))
+    return module.path if path is None else path
+
+
+def table_step(module: Any) -> int | None:
+    """The step of the table holding ``module``'s rows: the steps its pipe has taken (queued
+    ones too) where one trains it, the step of the table a pipe reads, or of the table on disk;
+    None where there is none."""
+    pipe = trained_by(module)
+    if pipe is not None:
+        return pipe_step(pipe)
+    try:
+        with Table.open(rows_path(module), "r") as table:
+            return table.step
+    except (OSError, EmbedpipeError):  # moved or deleted: nothing to compare with
+        return None
+
+
+def pipe_step(pipe: Any) -> int:
+    """The step of the table ``pipe`` reads: the steps it has taken (queued ones too) where it
+    trains the table, else the table's own."""
+    return pipe._owner.submitted if pipe.optimizer is not None else pipe.table.step
+
+
+@contextmanager
+def saving_rows() -> Iterator[None]:
+    """Within the block, state dicts taken in this thread leave the table's step out: the
+    folder being saved holds the rows themselves (``save_pretrained``)."""
+    was, _saving.rows = getattr(_saving, "rows", False), True
+    try:
+        yield
+    finally:
+        _saving.rows = was
+
+
+def stamp(module: Any, destination: dict[str, Any], prefix: str) -> None:
+    """Put the table's step in ``destination``, a state dict being taken."""
+    if getattr(_saving, "rows", False):
+        return
+    step = table_step(module)
+    if step is not None:
+        destination[prefix + STEP_KEY] = encoded(step)
+
+
+def encoded(step: int) -> torch.Tensor:
+    """``step`` as a state dict holds it: base-256 digits, exact in any float dtype."""
+    return torch.tensor([(step >> (8 * i)) & 255 for i in range(_DIGITS)], dtype=torch.int64)
+
+
+def taken_at(state_dict: dict[str, Any], prefix: str, pop: bool = True) -> int | None:
+    """The table's step a state dict was taken at, if it holds one (removed if ``pop``)."""
+    value = state_dict.pop(prefix + STEP_KEY, None) if pop else state_dict.get(prefix + STEP_KEY)
+    if not isinstance(value, torch.Tensor) or value.numel() != _DIGITS:
+        return None
+    return sum(round(float(d)) << (8 * i) for i, d in enumerate(value.flatten().tolist()))
+
+
+def check_step(module: Any, taken: int | None, step: int | None = None) -> bool:
+    """Raise if ``taken``, the table's step a state dict of the model was taken at, is not the
+    step of the table holding ``module``'s rows (``step``, default :func:`table_step`); returns
+    whether the two were compared (False where either is unknown)."""
+    if taken is None:
+        return False
+    step = table_step(module) if step is None else step
+    if step is None:
+        return False
+    if taken != step:
+        raise EmbeddingsOffloadedError(
+            f"a state dict of this model was taken when the table {rows_path(module)} had "
+            f"taken {taken} steps, and it has taken {step}: loading it restores the model's "
+            "other weights, not its word embeddings, which live in the table. Load the "
+            f"table's snapshot of step {taken} as well (pipe.load_checkpoint(folder), saved "
+            "by pipe.save_checkpoint(folder) with that state dict), or use a state dict "
+            f"taken at step {step}"
+        )
+    return True
