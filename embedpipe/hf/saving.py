@@ -72,10 +72,11 @@ def keep_word_embeddings() -> None:
             return original(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
         given = bound.arguments
-        if given.get("state_dict") is not None:  # its steps checked, and left out of the folder
-            given["state_dict"] = _checked(given["state_dict"], offloaded)
         state_dict = given.get("state_dict") or {}  # the rows given by the caller are theirs
-        offloaded = [(key, module) for key, module in offloaded if key not in state_dict]
+        streamed = [(key, module) for key, module in offloaded if key not in state_dict]
+        if given.get("state_dict") is not None:  # the steps of those streamed checked; none kept
+            given["state_dict"] = _checked(given["state_dict"], offloaded, streamed)
+        offloaded = streamed
         if given.get("push_to_hub") and offloaded:
             raise EmbeddingsOffloadedError(
                 "save_pretrained(push_to_hub=True) on a model whose word embeddings are "
@@ -192,13 +193,18 @@ def offloaded_keys(model: nn.Module) -> list[tuple[str, OffloadedEmbedding]]:
 
 
 def _checked(
-    state_dict: dict[str, Any], offloaded: list[tuple[str, OffloadedEmbedding]]
+    state_dict: dict[str, Any],
+    offloaded: list[tuple[str, OffloadedEmbedding]],
+    streamed: list[tuple[str, OffloadedEmbedding]],
 ) -> dict[str, Any]:
-    """``state_dict`` without the table's steps it holds, each checked against the table's
-    (NOTE [ A state dict keeps the table's step ] in ``pipe/rowsource.py``)."""
+    """``state_dict`` without the table's steps it holds; those of the modules whose rows are
+    ``streamed`` from their table are checked against its step (NOTE [ A state dict keeps the
+    table's step ] in ``pipe/rowsource.py``)."""
     state_dict = dict(state_dict)
     for key, module in offloaded:
-        check_step(module, taken_at(state_dict, key.removesuffix("weight")))
+        taken = taken_at(state_dict, key.removesuffix("weight"))
+        if (key, module) in streamed:
+            check_step(module, taken)
     return state_dict
 
 

@@ -281,7 +281,11 @@ class Trainer(transformers.Trainer):
         trains, so ``from_pretrained(folder)`` loads the trained ones (NOTE [ Checkpoints load
         with their word embeddings ]). Streamed: the table is never whole in memory."""
         mine = os.path.realpath(self.pipe.table.path)
-        keys = [k for k, m in offloaded_keys(self.model) if os.path.realpath(rows_path(m)) == mine]
+        keys = [
+            k
+            for k, m in offloaded_keys(self.model)
+            if mine in (os.path.realpath(rows_path(m)), os.path.realpath(m.path))
+        ]
         add_word_embeddings(folder, dict.fromkeys(keys, table), before)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -310,16 +314,19 @@ class Trainer(transformers.Trainer):
 
         with skipping_word_embeddings(model or self.model):  # the table comes from the snapshot
             super()._load_from_checkpoint(resume_from_checkpoint, model)
-        self._load_table(resume_from_checkpoint)
+        self._load_table(resume_from_checkpoint, model or self.model)
 
     def _load_best_model(self) -> None:
         from .offloading import skipping_word_embeddings
 
         with skipping_word_embeddings(self.model):
             super()._load_best_model()
-        self._load_table(self.state.best_model_checkpoint)
+        self._load_table(self.state.best_model_checkpoint, self.model)
 
-    def _load_table(self, checkpoint: str) -> None:
+    def _load_table(self, checkpoint: str, model: Any) -> None:
+        """The table's snapshot in ``checkpoint``, whose weights were just loaded into
+        ``model``: the two go together, whatever state dict was loaded before (NOTE [ A state
+        dict keeps the table's step ])."""
         snapshot = os.path.join(checkpoint, TABLE_FOLDER)
         if not os.path.isdir(snapshot):
             raise FileNotFoundError(
@@ -327,3 +334,5 @@ class Trainer(transformers.Trainer):
                 "embedpipe.hf.Trainer, or the save was interrupted; resume from another checkpoint"
             )
         self.pipe.load_checkpoint(snapshot)
+        for _, placeholder in offloaded_keys(model):
+            placeholder._loaded_step = None

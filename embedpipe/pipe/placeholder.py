@@ -73,11 +73,14 @@ def finish_embeds(
         return embeds if recorded is None else scaled(embeds, recorded)
     pipe = None if reader is None else reader()  # (a weak reference) the pipe reading
     if pipe is not None:
-        for module in modules:  # its table holds their rows (a module made after it too)
-            read_through(module, pipe)
-        # the newest module: the one the batch is made for (NOTE [ A state dict keeps the
+        trains = pipe.optimizer is not None
+        if trains:  # its table holds their rows (a module made after it too)
+            for module in modules:
+                read_through(module, pipe)
+        # the newest module: the one the batch is made for; a frozen pipe's read checks, and
+        # leaves the record to the table the model trains on (NOTE [ A state dict keeps the
         # table's step ] in rowsource.py)
-        modules[0].check_loaded_step(pipe_step(pipe))
+        modules[0].check_loaded_step(pipe_step(pipe), pipe.table.path, forget=trains)
     table = None if recorded is None else float(recorded)
     scales = {table if m.scale_value is None else m.scale_value for m in modules}
     if table is not None:
@@ -296,11 +299,14 @@ class OffloadedEmbedding(nn.Module):
         with self._without_rows():
             super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def check_loaded_step(self, step: int | None = None) -> None:
+    def check_loaded_step(
+        self, step: int | None = None, path: str | None = None, *, forget: bool = True
+    ) -> None:
         """Raise if a state dict loaded into the model was taken at another step of the table
-        than ``step`` (default: ``rowsource.table_step``); once they agree, forget it (NOTE
-        [ A state dict keeps the table's step ] in ``rowsource.py``)."""
-        if check_step(self, getattr(self, "_loaded_step", None), step):
+        than ``step`` (of the table at ``path``; default: ``rowsource.table_step``); once they
+        agree, forget it if ``forget`` (NOTE [ A state dict keeps the table's step ] in
+        ``rowsource.py``)."""
+        if check_step(self, getattr(self, "_loaded_step", None), step, path) and forget:
             self._loaded_step = None
 
     def _error(self) -> EmbeddingsOffloadedError:

@@ -13,12 +13,17 @@ table a pipe reads, or that of the table on disk (:func:`table_step`). It is sto
 distributed checkpoint and ``torch.func`` handle), as 8 base-256 digits in an int64 tensor (a
 state dict cast to bfloat16 or float16 keeps them exact). Loading one records the step in the
 module; a state dict without it leaves an earlier record as it was (a partial load, an
-adapter's). The next read of a batch through a pipe (:func:`check_step`, the newest module on
-the table: the one the batch is made for), ``save_pretrained`` (of the model, or of a state
-dict given to it) and ``restore`` compare it with the table's step: equal (the table's snapshot
-of that step was loaded too, with ``pipe.load_checkpoint``, as Trainer's and Lightning's
-resumes do; or nothing stepped since), it is forgotten; different, they raise
-:class:`EmbeddingsOffloadedError`. A step cannot tell two tables, or two branches of one
+adapter's), and Trainer's resume, which loads weights and table together, replaces it. The next
+read of a batch through a pipe (:func:`check_step`, the newest module on the table: the one the
+batch is made for), ``save_pretrained`` (of the model, or of a state dict given to it, for the
+rows it streams) and ``restore`` compare it with the table's step: equal (the table's snapshot
+of that step was loaded too, with ``pipe.load_checkpoint``, as Lightning's resume does; or
+nothing stepped since), it is forgotten; different, they raise
+:class:`EmbeddingsOffloadedError`. A frozen pipe's read compares with the table it reads and
+forgets nothing: an evaluation of the best weights on a copy of the best table is right, and
+training on from the last table's rows still raises. Only a pipe that trains the rows, or one
+attached to the model, becomes the rows' source (:func:`read_through`) for ``save_pretrained``
+and the step in a state dict. A step cannot tell two tables, or two branches of one
 training, apart at the same step: the check is against going back in the dense weights alone.
 ``save_pretrained`` leaves the key out of the folder (:func:`saving_rows`): it holds the rows.
 """
@@ -33,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..errors import EmbeddingsOffloadedError, EmbedpipeError
+from ..errors import EmbeddingsOffloadedError
 from ..store.table import Table
 
 #: The key, after the module's prefix, of the table's step in a state dict.
@@ -47,8 +52,8 @@ _saving = threading.local()
 
 def read_through(module: Any, pipe: Any) -> None:
     """``pipe``'s table holds ``module``'s rows from now on: ``pipe`` adopted it, was attached
-    to it, or read a batch for it. A frozen pipe never takes the place of an open one that
-    trains the rows (whose files lack its cached rows)."""
+    to it, or read a batch for it as the pipe that trains it. A frozen pipe never takes the
+    place of an open one that trains the rows (whose files lack its cached rows)."""
     current = trained_by(module)
     if pipe.optimizer is None and current is not None and current.optimizer is not None:
         return
@@ -79,7 +84,7 @@ def table_step(module: Any) -> int | None:
     try:
         with Table.open(rows_path(module), "r") as table:
             return table.step
-    except (OSError, EmbedpipeError):  # moved or deleted: nothing to compare with
+    except Exception:  # moved, deleted, damaged, being rebuilt: a state dict leaves it out
         return None
 
 
@@ -122,10 +127,12 @@ def taken_at(state_dict: dict[str, Any], prefix: str, pop: bool = True) -> int |
     return sum(round(float(d)) << (8 * i) for i, d in enumerate(value.flatten().tolist()))
 
 
-def check_step(module: Any, taken: int | None, step: int | None = None) -> bool:
-    """Raise if ``taken``, the table's step a state dict of the model was taken at, is not the
-    step of the table holding ``module``'s rows (``step``, default :func:`table_step`); returns
-    whether the two were compared (False where either is unknown)."""
+def check_step(
+    module: Any, taken: int | None, step: int | None = None, path: str | None = None
+) -> bool:
+    """Raise if ``taken``, the table's step a state dict of the model was taken at, is not
+    ``step``, that of the table at ``path`` (default: the table holding ``module``'s rows,
+    :func:`table_step`); returns whether the two were compared (False where one is unknown)."""
     if taken is None:
         return False
     step = table_step(module) if step is None else step
@@ -133,7 +140,7 @@ def check_step(module: Any, taken: int | None, step: int | None = None) -> bool:
         return False
     if taken != step:
         raise EmbeddingsOffloadedError(
-            f"a state dict of this model was taken when the table {rows_path(module)} had "
+            f"a state dict of this model was taken when the table {path or rows_path(module)} had "
             f"taken {taken} steps, and it has taken {step}: loading it restores the model's "
             "other weights, not its word embeddings, which live in the table. Load the "
             f"table's snapshot of step {taken} as well (pipe.load_checkpoint(folder), saved "

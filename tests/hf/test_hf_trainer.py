@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import embedpipe
+from embedpipe.pipe.rowsource import encoded
 
 from ..frameworks import (
     DENSE_LR,
@@ -75,9 +76,13 @@ def grad_norms(trainer) -> list[float]:
     return [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
 
 
-def train_embedpipe(folder, data, *, resume: str | None = None, **overrides):
+def train_embedpipe(folder, data, *, resume: str | None = None, stale=False, **overrides):
     model = bert()
     pipe = offloaded(model, folder / "table.zarr", cache_rows=VOCAB // 20)
+    if stale:  # a state dict of step 2 loaded before (the table is at 0): the resume replaces it
+        state = model.state_dict()
+        state["bert.embeddings.word_embeddings._extra_state"] = encoded(2)
+        model.load_state_dict(state)
     trainer = embedpipe.hf.Trainer(
         model=model, args=arguments(folder / "out", **overrides), train_dataset=data, pipe=pipe
     )
@@ -148,9 +153,10 @@ def test_every_checkpoint_holds_the_table_at_its_step(runs):
             assert table.step == step
 
 
-def test_resuming_into_a_fresh_table_equals_the_uninterrupted_run(runs, tmp_path):
+@pytest.mark.parametrize("stale", [False, True])
+def test_resuming_into_a_fresh_table_equals_the_uninterrupted_run(runs, tmp_path, stale):
     checkpoint = runs["folder"] / "embedpipe" / "out" / "checkpoint-4"
-    trainer, pipe = train_embedpipe(tmp_path, runs["data"], resume=str(checkpoint))
+    trainer, pipe = train_embedpipe(tmp_path, runs["data"], resume=str(checkpoint), stale=stale)
     try:
         assert trainer.state.global_step == STEPS
         pipe.flush()

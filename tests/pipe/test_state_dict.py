@@ -188,3 +188,41 @@ def train_steps(model, pipe, n: int) -> None:
         loss(model, batch).backward()
         pipe.step()
         pipe.parameter.grad = None
+
+
+def test_a_frozen_evaluation_of_the_matching_snapshot_leaves_the_training_table_checked(
+    tmp_path, trained
+):
+    """The best weights evaluated on the best table's copy: right. Training on with the best
+    weights and the last table's rows is not, and still raises."""
+    model, _, batches, best = trained
+    model.load_state_dict(best)
+    with embedpipe.EmbeddingPipe(tmp_path / "best.zarr", cache_rows=50) as snapshot:
+        snapshot.attach(model)
+        next(iter(snapshot.loader(samples(4), batch_size=4)))["inputs_embeds"]
+    with pytest.raises(embedpipe.hf.EmbeddingsOffloadedError, match="taken 3 steps.*taken 6"):
+        next(batches)["inputs_embeds"]
+
+
+def test_a_frozen_pipe_on_an_older_step_changes_neither_what_is_saved_nor_the_step(
+    tmp_path, trained
+):
+    model, pipe, _, _ = trained
+    pipe.close()  # the table committed at step 6
+    trained_rows = embedpipe.Table.open(tmp_path / "t.zarr").to_tensor()
+    older_table = embedpipe.Table.open(tmp_path / "t.zarr", step=BEST)
+    with embedpipe.EmbeddingPipe(older_table, cache_rows=50) as older:
+        next(iter(older.loader(samples(4), batch_size=4)))["inputs_embeds"]
+        assert taken_at(model.state_dict(), PREFIX) == STEPS
+        model.save_pretrained(tmp_path / "saved")
+    saved = type(model).from_pretrained(tmp_path / "saved").get_input_embeddings().weight
+    assert torch.equal(saved, trained_rows)
+
+
+def test_rows_given_with_a_state_dict_are_not_checked_against_the_table(tmp_path, trained):
+    model, _, _, best = trained
+    with embedpipe.Table.open(tmp_path / "best.zarr") as snapshot:
+        best[PREFIX + "weight"] = snapshot.to_tensor()  # the best weights, word embeddings too
+    model.save_pretrained(tmp_path / "saved", state_dict=best)
+    saved = type(model).from_pretrained(tmp_path / "saved").get_input_embeddings().weight
+    assert torch.equal(saved, best[PREFIX + "weight"])
