@@ -186,22 +186,23 @@ def _embedding_of(model: nn.Module, source: Any) -> nn.Module:
     placeholder = model.get_input_embeddings()
     if not isinstance(placeholder, OffloadedEmbedding):
         raise ValueError(f"the word embeddings of this {type(model).__name__} are not offloaded")
-    # each checks a state dict loaded before: NOTE [ A state dict keeps the table's step ]
+    # each checks a state dict loaded before, forgetting nothing (the placeholder may come
+    # back: restored): NOTE [ A state dict keeps the table's step ]
     if hasattr(source, "flush") and hasattr(source, "table"):  # a pipe: write its steps first
         if source._owner.closed:  # its last steps are committed: read the table as it is now
             with Table.open(source.table.path, "r") as table:
-                placeholder.check_loaded_step(table.step)
+                placeholder.check_loaded_step(table.step, forget=False)
                 weight, metadata = table.to_tensor(), table.metadata
         else:
-            placeholder.check_loaded_step(pipe_step(source))
+            placeholder.check_loaded_step(pipe_step(source), forget=False)
             source.flush()
             weight, metadata = source.table.to_tensor(), source.table.metadata
     elif isinstance(source, Table):
-        placeholder.check_loaded_step(source.step)
+        placeholder.check_loaded_step(source.step, forget=False)
         weight, metadata = source.to_tensor(), source.metadata
     else:
         with Table.open(source, "r") as table:
-            placeholder.check_loaded_step(table.step)
+            placeholder.check_loaded_step(table.step, forget=False)
             weight, metadata = table.to_tensor(), table.metadata
     expected = (placeholder.num_embeddings, placeholder.embedding_dim)
     if tuple(weight.shape) != expected:

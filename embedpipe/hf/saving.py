@@ -43,7 +43,7 @@ from torch import nn
 
 from ..errors import EmbeddingsOffloadedError, ShardMismatchError
 from ..pipe.placeholder import OffloadedEmbedding
-from ..pipe.rowsource import check_step, rows_path, saving_rows, taken_at, trained_by
+from ..pipe.rowsource import check_step, pipe_step, rows_path, saving_rows, taken_at, trained_by
 from ..store.table import Table
 from ..store.transfer import add_table_to_safetensors
 
@@ -85,7 +85,7 @@ def keep_word_embeddings() -> None:
             )
         if getattr(self, "_hf_peft_config_loaded", False):  # the adapters only: no rows
             return original(self, *args, **kwargs)
-        tables = {id(m): _table_of(m) for _, m in offloaded}  # one for aliases (BART's shared)
+        tables = {id(m): table_of(m) for _, m in offloaded}  # one for aliases (BART's shared)
         folder, variant = os.fspath(given["save_directory"]), given.get("variant")
         try:
             before = model_files(folder, variant)
@@ -208,14 +208,17 @@ def _checked(
     return state_dict
 
 
-def _table_of(placeholder: OffloadedEmbedding) -> tuple[Table, bool]:
+def table_of(placeholder: OffloadedEmbedding, flush: bool = True) -> tuple[Table, bool]:
     """The table holding ``placeholder``'s rows as trained so far, and whether it was opened
-    here (to close): the pipe's, flushed, while it is open; else the table as committed."""
+    here (to close): its pipe's while it is open (flushed first, unless the caller did so on
+    every rank), else the table as committed. Checks a state dict loaded into the model against
+    it, forgetting nothing (NOTE [ A state dict keeps the table's step ])."""
     pipe = trained_by(placeholder)
-    if pipe is not None and not pipe._owner.closed:
-        placeholder.check_loaded_step()  # NOTE [ A state dict keeps the table's step ]
+    if pipe is not None:
+        placeholder.check_loaded_step(pipe_step(pipe), pipe.table.path, forget=False)
         try:  # its applied steps in the table's files, read through its own handle
-            pipe.flush()
+            if flush:
+                pipe.flush()
         except ShardMismatchError as e:
             raise ShardMismatchError(
                 f"{e}. save_pretrained on a model whose word embeddings are sharded over the "
@@ -225,7 +228,7 @@ def _table_of(placeholder: OffloadedEmbedding) -> tuple[Table, bool]:
         return pipe.table, False
     table = Table.open(rows_path(placeholder), "r")  # as committed (by the pipe's close)
     try:
-        placeholder.check_loaded_step(table.step)
+        placeholder.check_loaded_step(table.step, table.path, forget=False)
     except BaseException:
         table.close()
         raise

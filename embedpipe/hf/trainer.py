@@ -51,7 +51,13 @@ from ..pipe.rowsource import rows_path
 from ..store.table import Table
 from ..worker.batch import INPUTS_EMBEDS, EmbeddedBatch
 from ..worker.collate import PadCollator
-from .saving import add_word_embeddings, leaving_word_embeddings_out, model_files, offloaded_keys
+from .saving import (
+    add_word_embeddings,
+    leaving_word_embeddings_out,
+    model_files,
+    offloaded_keys,
+    table_of,
+)
 
 if is_datasets_available():
     import datasets
@@ -273,20 +279,33 @@ class Trainer(transformers.Trainer):
             self._checkpointing = False
         if self.args.should_save:
             with Table.open(snapshot, "r") as table:
-                self._add_word_embeddings(checkpoint, table, before)
+                self._add_word_embeddings(checkpoint, before, snapshot=table)
 
-    def _add_word_embeddings(self, folder: str, table: Table, before: dict[str, Any]) -> None:
-        """Write ``table``'s rows into the model file Trainer has just saved in ``folder``
-        (``before``: :func:`model_files` before) as the word embeddings of every module the pipe
-        trains, so ``from_pretrained(folder)`` loads the trained ones (NOTE [ Checkpoints load
-        with their word embeddings ]). Streamed: the table is never whole in memory."""
-        mine = os.path.realpath(self.pipe.table.path)
-        keys = [
-            k
-            for k, m in offloaded_keys(self.model)
-            if mine in (os.path.realpath(rows_path(m)), os.path.realpath(m.path))
-        ]
-        add_word_embeddings(folder, dict.fromkeys(keys, table), before)
+    def _mine(self, module: Any) -> bool:
+        """Whether the rows of ``module`` (an offloaded embedding) are in this pipe's table."""
+        return os.path.realpath(rows_path(module)) == os.path.realpath(self.pipe.table.path)
+
+    def _add_word_embeddings(
+        self, folder: str, before: dict[str, Any], snapshot: Table | None = None
+    ) -> None:
+        """Write the rows of every offloaded embedding into the model file Trainer has just
+        saved in ``folder`` (``before``: :func:`model_files` before), so ``from_pretrained``
+        loads the trained ones (NOTE [ Checkpoints load with their word embeddings ]): a
+        checkpoint's ``snapshot`` for those in this pipe's table, else the table holding each
+        module's rows, as ``save_pretrained`` takes them (the caller flushed the pipe on every
+        rank). Streamed: the table is never whole in memory."""
+        tables: dict[int, tuple[Table, bool]] = {}
+        try:
+            for _, module in offloaded_keys(self.model):
+                if id(module) not in tables:
+                    mine = snapshot is not None and self._mine(module)
+                    tables[id(module)] = (snapshot, False) if mine else table_of(module, False)
+            rows = {key: tables[id(m)][0] for key, m in offloaded_keys(self.model)}
+            add_word_embeddings(folder, rows, before)
+        finally:
+            for table, opened in tables.values():
+                if opened:
+                    table.close()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the model for ``from_pretrained``, with the table's trained rows as its word
@@ -294,20 +313,14 @@ class Trainer(transformers.Trainer):
         if self._checkpointing:
             super().save_model(output_dir, _internal_call)
             return
-        closed = self.pipe._owner.closed
-        if not closed:  # every rank's rows in the table's files (under torchrun: every rank)
+        if not self.pipe._owner.closed:  # every rank's rows in the files (torchrun: every rank)
             self.pipe.flush()
         folder = output_dir if output_dir is not None else self.args.output_dir
         before = model_files(folder)
         with leaving_word_embeddings_out():  # the model file as Trainer writes it; rows below
             super().save_model(output_dir, _internal_call)
-        if not self.args.should_save:
-            return
-        if closed:  # the table as committed at close
-            with Table.open(self.pipe.table.path, "r") as table:
-                self._add_word_embeddings(folder, table, before)
-        else:
-            self._add_word_embeddings(folder, self.pipe.table, before)
+        if self.args.should_save:
+            self._add_word_embeddings(folder, before)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         from .offloading import skipping_word_embeddings
@@ -335,4 +348,5 @@ class Trainer(transformers.Trainer):
             )
         self.pipe.load_checkpoint(snapshot)
         for _, placeholder in offloaded_keys(model):
-            placeholder._loaded_step = None
+            if self._mine(placeholder):
+                placeholder._loaded_step = None

@@ -16,16 +16,18 @@ module; a state dict without it leaves an earlier record as it was (a partial lo
 adapter's), and Trainer's resume, which loads weights and table together, replaces it. The next
 read of a batch through a pipe (:func:`check_step`, the newest module on the table: the one the
 batch is made for), ``save_pretrained`` (of the model, or of a state dict given to it, for the
-rows it streams) and ``restore`` compare it with the table's step: equal (the table's snapshot
-of that step was loaded too, with ``pipe.load_checkpoint``, as Lightning's resume does; or
-nothing stepped since), it is forgotten; different, they raise
-:class:`EmbeddingsOffloadedError`. A frozen pipe's read compares with the table it reads and
-forgets nothing: an evaluation of the best weights on a copy of the best table is right, and
-training on from the last table's rows still raises. Only a pipe that trains the rows, or one
-attached to the model, becomes the rows' source (:func:`read_through`) for ``save_pretrained``
-and the step in a state dict. A step cannot tell two tables, or two branches of one
-training, apart at the same step: the check is against going back in the dense weights alone.
-``save_pretrained`` leaves the key out of the folder (:func:`saving_rows`): it holds the rows.
+rows it streams), Trainer's ``save_model`` and ``restore``/``restored`` compare it with the
+step of the table the rows come from, and raise :class:`EmbeddingsOffloadedError` where they
+differ. Only a read through the pipe that trains the rows forgets it, where they agree (the
+table's snapshot of that step was loaded too, with ``pipe.load_checkpoint``, as Lightning's
+resume does; or nothing stepped since): an evaluation or a save of the best weights with a copy
+of the best table is right, and training on from the last table's rows still raises. A state
+dict taken while a record is pending holds the recorded step (its weights are that step's).
+Only a pipe that trains the rows, or one attached to the model, becomes the rows' source
+(:func:`read_through`) for ``save_pretrained`` and the step in a state dict. A step cannot
+tell two tables, or two branches of one training, apart at the same step: the check is against
+going back in the dense weights alone. ``save_pretrained`` leaves the key out of the folder
+(:func:`saving_rows`): it holds the rows.
 """
 
 from __future__ import annotations
@@ -109,7 +111,9 @@ def stamp(module: Any, destination: dict[str, Any], prefix: str) -> None:
     """Put the table's step in ``destination``, a state dict being taken."""
     if getattr(_saving, "rows", False):
         return
-    step = table_step(module)
+    step = getattr(module, "_loaded_step", None)  # a state dict loaded, not yet checked: its
+    if step is None:  # weights are of that step
+        step = table_step(module)
     if step is not None:
         destination[prefix + STEP_KEY] = encoded(step)
 
@@ -142,9 +146,9 @@ def check_step(
         raise EmbeddingsOffloadedError(
             f"a state dict of this model was taken when the table {path or rows_path(module)} had "
             f"taken {taken} steps, and it has taken {step}: loading it restores the model's "
-            "other weights, not its word embeddings, which live in the table. Load the "
-            f"table's snapshot of step {taken} as well (pipe.load_checkpoint(folder), saved "
-            "by pipe.save_checkpoint(folder) with that state dict), or use a state dict "
-            f"taken at step {step}"
+            "other weights, not its word embeddings, which live in the table. Put the "
+            f"table's snapshot of step {taken} in its place (pipe.load_checkpoint(folder) on "
+            "the pipe that trains it; or read it through a pipe on the snapshot, attached with "
+            f"pipe.attach(model)), or use a state dict taken at step {step}"
         )
     return True

@@ -330,3 +330,15 @@ def test_a_streaming_dataset_reshuffles_every_epoch_as_with_nn_embedding(tmp_pat
         assert trainer.state.epoch == reference.state.epoch > 1
         assert torch.equal(pipe.table.to_tensor(), reference.model.get_input_embeddings().weight)
         assert max_diff(dense_state(trainer.model), dense_state(reference.model)) == 0.0
+
+
+def test_save_model_checks_a_state_dict_loaded_before(runs, tmp_path):
+    trainer, pipe = train_embedpipe(tmp_path, runs["data"][:8])
+    try:
+        state = trainer.model.state_dict()
+        state["bert.embeddings.word_embeddings._extra_state"] = encoded(1)  # one of step 1
+        trainer.model.load_state_dict(state)
+        with pytest.raises(embedpipe.hf.EmbeddingsOffloadedError, match="taken 1 steps"):
+            trainer.save_model(str(tmp_path / "saved"))
+    finally:
+        pipe.close()

@@ -54,9 +54,9 @@ def trained(tmp_path, request):
     """An offloaded BERT whose pipe trained the table STEPS steps; its state dict at step BEST,
     and the table's snapshot then."""
     model = bert(dropout=0.0)
-    table = embedpipe.hf.offload(model, tmp_path / "t.zarr", chunk_rows=64)
+    embedpipe.hf.offload(model, tmp_path / "t.zarr", chunk_rows=64).close()
     pipe = embedpipe.EmbeddingPipe(
-        table,
+        tmp_path / "t.zarr",
         cache_rows=50,
         optimizer=embedpipe.optim.Adagrad(**ADAGRAD),
         owner=getattr(request, "param", "thread"),
@@ -226,3 +226,33 @@ def test_rows_given_with_a_state_dict_are_not_checked_against_the_table(tmp_path
     model.save_pretrained(tmp_path / "saved", state_dict=best)
     saved = type(model).from_pretrained(tmp_path / "saved").get_input_embeddings().weight
     assert torch.equal(saved, best[PREFIX + "weight"])
+
+
+def test_a_save_on_the_matching_snapshot_leaves_the_record_for_training(tmp_path, trained):
+    model, pipe, _, best = trained
+    pipe.close()  # the table at step 6
+    model.load_state_dict(best)
+    with embedpipe.EmbeddingPipe(tmp_path / "best.zarr", cache_rows=50) as snapshot:
+        snapshot.attach(model)
+        next(iter(snapshot.loader(samples(4), batch_size=4)))["inputs_embeds"]
+        model.save_pretrained(tmp_path / "saved")  # the best weights with the best rows: right
+    with pytest.raises(embedpipe.hf.EmbeddingsOffloadedError, match="taken 3 steps"):
+        with embedpipe.EmbeddingPipe(
+            tmp_path / "t.zarr", cache_rows=50, optimizer=embedpipe.optim.Adagrad(**ADAGRAD)
+        ) as again:  # training on from the last table's rows: not
+            next(iter(again.loader(samples(4), batch_size=4)))["inputs_embeds"]
+
+
+def test_restored_from_the_matching_snapshot_leaves_the_record(tmp_path, trained):
+    model, _, batches, best = trained
+    model.load_state_dict(best)
+    with embedpipe.hf.restored(model, tmp_path / "best.zarr"):
+        pass
+    with pytest.raises(embedpipe.hf.EmbeddingsOffloadedError, match="taken 3 steps"):
+        next(batches)["inputs_embeds"]
+
+
+def test_a_state_dict_taken_after_a_load_holds_the_loaded_step(trained):
+    model, _, _, best = trained
+    model.load_state_dict(best)  # not yet checked: the weights are step 3's
+    assert taken_at(model.state_dict(), PREFIX) == BEST
