@@ -119,3 +119,20 @@ def train_briefly(tmp_path, dataset, steps: int) -> int:
         embedpipe.hf.Trainer(model=model, args=args, train_dataset=dataset, pipe=pipe).train()
         pipe.flush()
         return pipe.table.step
+
+
+def embedded_loss(model: torch.nn.Module, batch) -> torch.Tensor:
+    """The model's loss on a pipe's batch: its ``inputs_embeds``, attention mask and labels."""
+    fields = ("inputs_embeds", "attention_mask", "labels")
+    return model(**{k: batch[k] for k in fields}).loss
+
+
+def train_table(model, pipe: embedpipe.EmbeddingPipe, n: int, after=None) -> None:
+    """``n`` of :func:`samples` in batches of 4 through ``pipe``, the table stepped alone
+    (``pipe.step()``); ``after(step)`` after each step."""
+    for step, batch in enumerate(pipe.loader(samples(n), batch_size=4), 1):
+        embedded_loss(model, batch).backward()
+        pipe.step()
+        pipe.parameter.grad = None
+        if after is not None:
+            after(step)

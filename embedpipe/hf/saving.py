@@ -34,7 +34,7 @@ import struct
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -72,11 +72,10 @@ def keep_word_embeddings() -> None:
             return original(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
         given = bound.arguments
-        state_dict = given.get("state_dict") or {}  # the rows given by the caller are theirs
-        streamed = [(key, module) for key, module in offloaded if key not in state_dict]
         if given.get("state_dict") is not None:  # the steps of those streamed checked; none kept
-            given["state_dict"] = _checked(given["state_dict"], offloaded, streamed)
-        offloaded = streamed
+            given["state_dict"] = _checked(given["state_dict"], offloaded)
+        state_dict = given.get("state_dict") or {}  # the rows given by the caller are theirs
+        offloaded = [(key, module) for key, module in offloaded if key not in state_dict]
         if given.get("push_to_hub") and offloaded:
             raise EmbeddingsOffloadedError(
                 "save_pretrained(push_to_hub=True) on a model whose word embeddings are "
@@ -85,19 +84,13 @@ def keep_word_embeddings() -> None:
             )
         if getattr(self, "_hf_peft_config_loaded", False):  # the adapters only: no rows
             return original(self, *args, **kwargs)
-        tables = {id(m): table_of(m) for _, m in offloaded}  # one for aliases (BART's shared)
         folder, variant = os.fspath(given["save_directory"]), given.get("variant")
-        try:
+        with rows_to_save(offloaded) as rows:  # every rank flushes, before the save
             before = model_files(folder, variant)
             with saving_rows():  # the folder holds the rows, not the table's step
                 result = original(*bound.args, **bound.kwargs)
             if self.should_save_on_this_rank(given.get("is_main_process", True)):
-                rows = {key: tables[id(m)][0] for key, m in offloaded}
                 add_word_embeddings(folder, rows, before, variant)
-        finally:
-            for table, opened in tables.values():
-                if opened:
-                    table.close()
         return result
 
     setattr(save_pretrained, _WRAPPED, True)
@@ -193,19 +186,41 @@ def offloaded_keys(model: nn.Module) -> list[tuple[str, OffloadedEmbedding]]:
 
 
 def _checked(
-    state_dict: dict[str, Any],
-    offloaded: list[tuple[str, OffloadedEmbedding]],
-    streamed: list[tuple[str, OffloadedEmbedding]],
+    state_dict: dict[str, Any], offloaded: list[tuple[str, OffloadedEmbedding]]
 ) -> dict[str, Any]:
-    """``state_dict`` without the table's steps it holds; those of the modules whose rows are
-    ``streamed`` from their table are checked against its step (NOTE [ A state dict keeps the
-    table's step ] in ``pipe/rowsource.py``)."""
+    """``state_dict`` without the table's steps it holds; those of the modules whose rows it
+    does not hold (they are streamed from their table) are checked against its step (NOTE
+    [ A state dict keeps the table's step ] in ``pipe/rowsource.py``)."""
     state_dict = dict(state_dict)
     for key, module in offloaded:
         taken = taken_at(state_dict, key.removesuffix("weight"))
-        if (key, module) in streamed:
+        if key not in state_dict:
             check_step(module, taken)
     return state_dict
+
+
+@contextmanager
+def rows_to_save(
+    offloaded: list[tuple[str, OffloadedEmbedding]],
+    flush: bool = True,
+    given: Callable[[OffloadedEmbedding], Table | None] = lambda module: None,
+) -> Iterator[dict[str, Table]]:
+    """The table to stream into a saved model under each key of ``offloaded``: the one
+    ``given`` for its module, else the one holding its rows (:func:`table_of`, once per module:
+    BART's aliases share it); those opened here are closed after the block."""
+    tables: dict[int, tuple[Table, bool]] = {}
+    try:
+        for _, module in offloaded:
+            if id(module) not in tables:
+                table = given(module)
+                tables[id(module)] = (
+                    (table, False) if table is not None else table_of(module, flush)
+                )
+        yield {key: tables[id(module)][0] for key, module in offloaded}
+    finally:
+        for table, opened in tables.values():
+            if opened:
+                table.close()
 
 
 def table_of(placeholder: OffloadedEmbedding, flush: bool = True) -> tuple[Table, bool]:

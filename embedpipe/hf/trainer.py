@@ -56,7 +56,7 @@ from .saving import (
     leaving_word_embeddings_out,
     model_files,
     offloaded_keys,
-    table_of,
+    rows_to_save,
 )
 
 if is_datasets_available():
@@ -294,18 +294,12 @@ class Trainer(transformers.Trainer):
         checkpoint's ``snapshot`` for those in this pipe's table, else the table holding each
         module's rows, as ``save_pretrained`` takes them (the caller flushed the pipe on every
         rank). Streamed: the table is never whole in memory."""
-        tables: dict[int, tuple[Table, bool]] = {}
-        try:
-            for _, module in offloaded_keys(self.model):
-                if id(module) not in tables:
-                    mine = snapshot is not None and self._mine(module)
-                    tables[id(module)] = (snapshot, False) if mine else table_of(module, False)
-            rows = {key: tables[id(m)][0] for key, m in offloaded_keys(self.model)}
+
+        def given(module: Any) -> Table | None:  # a checkpoint's: its snapshot, for the pipe's
+            return snapshot if snapshot is not None and self._mine(module) else None
+
+        with rows_to_save(offloaded_keys(self.model), flush=False, given=given) as rows:
             add_word_embeddings(folder, rows, before)
-        finally:
-            for table, opened in tables.values():
-                if opened:
-                    table.close()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the model for ``from_pretrained``, with the table's trained rows as its word

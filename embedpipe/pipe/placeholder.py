@@ -80,7 +80,8 @@ def finish_embeds(
         # the newest module: the one the batch is made for; a frozen pipe's read checks, and
         # leaves the record to the table the model trains on (NOTE [ A state dict keeps the
         # table's step ] in rowsource.py)
-        modules[0].check_loaded_step(pipe_step(pipe), pipe.table.path, forget=trains)
+        if getattr(modules[0], "_loaded_step", None) is not None:
+            modules[0].check_loaded_step(pipe_step(pipe), pipe.table.path, forget=trains)
     table = None if recorded is None else float(recorded)
     scales = {table if m.scale_value is None else m.scale_value for m in modules}
     if table is not None:

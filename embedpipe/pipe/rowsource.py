@@ -57,8 +57,9 @@ def read_through(module: Any, pipe: Any) -> None:
     to it, or read a batch for it as the pipe that trains it. A frozen pipe never takes the
     place of an open one that trains the rows (whose files lack its cached rows)."""
     current = trained_by(module)
-    if pipe.optimizer is None and current is not None and current.optimizer is not None:
-        return
+    trains = current is not None and current.optimizer is not None
+    if current is pipe or (pipe.optimizer is None and trains):
+        return  # (every batch a training pipe reads asks again)
     _PIPES[module] = (weakref.ref(pipe), pipe.table.path)
 
 

@@ -14,7 +14,7 @@ import torch
 import embedpipe
 import embedpipe.hf
 
-from ..frameworks import ADAGRAD, bert, offloaded, samples
+from ..frameworks import ADAGRAD, bert, offloaded, samples, train_table
 from .test_hf import V, bart_config
 
 transformers = pytest.importorskip("transformers", reason="an optional extra")
@@ -46,25 +46,10 @@ def train_reference() -> tuple[torch.Tensor, torch.Tensor]:
     return rows[0], weight.detach().clone()
 
 
-def embedded(model, batch):
-    fields = ("inputs_embeds", "attention_mask", "labels")
-    return model(**{k: batch[k] for k in fields})
-
-
 def pipe_on(path, owner: str = "thread") -> embedpipe.EmbeddingPipe:
     return embedpipe.EmbeddingPipe(
         path, cache_rows=50, optimizer=embedpipe.optim.Adagrad(**ADAGRAD), owner=owner
     )
-
-
-def train(model, pipe, samples_=8, save=None) -> None:
-    """Batches of 4 through the pipe, the table stepped by itself; ``save(n)`` after step n."""
-    for n, batch in enumerate(pipe.loader(samples(samples_), batch_size=4), 1):
-        embedded(model, batch).loss.backward()
-        pipe.step()
-        pipe.parameter.grad = None
-        if save is not None:
-            save(n)
 
 
 def word_embeddings(folder, cls=transformers.BertForSequenceClassification, **kwargs):
@@ -82,7 +67,7 @@ def test_save_pretrained_mid_training_and_after_writes_the_trained_rows(tmp_path
             model.save_pretrained(tmp_path / "mid")
 
     with pipe_on(tmp_path / "t.zarr", owner) as pipe:
-        train(model, pipe, 24, save)
+        train_table(model, pipe, 24, save)
         model.save_pretrained(tmp_path / "open")
     model.save_pretrained(tmp_path / "closed")  # the table as committed at close
     assert torch.equal(word_embeddings(tmp_path / "mid"), mid)
@@ -114,7 +99,7 @@ def test_a_model_rebuilt_on_the_table_by_hand_saves_the_rows_its_pipe_trained(tm
     )
     rebuilt.set_input_embeddings(embedding)
     with pipe_on(tmp_path / "t.zarr") as pipe:  # adopts the module: no attach
-        train(rebuilt, pipe)
+        train_table(rebuilt, pipe, 8)
         rebuilt.save_pretrained(tmp_path / "saved")
         trained = pipe.table.to_tensor()
     assert torch.equal(word_embeddings(tmp_path / "saved"), trained)
@@ -142,7 +127,7 @@ def test_a_model_attached_to_a_pipe_on_a_copy_saves_the_copys_rows(tmp_path):
         pipe.save_checkpoint(tmp_path / "copy.zarr")
     with pipe_on(tmp_path / "copy.zarr") as pipe:
         pipe.attach(model)
-        train(model, pipe)
+        train_table(model, pipe, 8)
         model.save_pretrained(tmp_path / "saved")
         trained = pipe.table.to_tensor()
     del pipe
@@ -163,7 +148,7 @@ def test_a_model_offloaded_by_hand_after_the_pipe_saves_the_rows_it_trained(tmp_
                 rebuilt.get_input_embeddings(), str(tmp_path / "t.zarr")
             )
         )
-        train(rebuilt, pipe)
+        train_table(rebuilt, pipe, 8)
         rebuilt.save_pretrained(tmp_path / "saved")
         trained = pipe.table.to_tensor()
     assert torch.equal(word_embeddings(tmp_path / "saved"), trained)
@@ -175,7 +160,7 @@ def test_a_save_over_an_earlier_sharded_one_holds_the_new_rows(tmp_path, second)
     embedpipe.hf.offload(model, tmp_path / "t.zarr").close()
     with pipe_on(tmp_path / "t.zarr") as pipe:
         model.save_pretrained(tmp_path / "saved", max_shard_size="20KB")
-        train(model, pipe)
+        train_table(model, pipe, 8)
         model.save_pretrained(tmp_path / "saved", max_shard_size=second)
         trained = pipe.table.to_tensor()
     assert torch.equal(word_embeddings(tmp_path / "saved"), trained)

@@ -19,17 +19,12 @@ import embedpipe
 import embedpipe.hf
 from embedpipe.pipe.rowsource import encoded, taken_at
 
-from ..frameworks import ADAGRAD, bert, samples
+from ..frameworks import ADAGRAD, bert, embedded_loss, samples, train_table
 
 pytest.importorskip("transformers", reason="an optional extra")
 
 BEST, STEPS = 3, 6
 PREFIX = "bert.embeddings.word_embeddings."
-
-
-def loss(model, batch) -> torch.Tensor:
-    fields = ("inputs_embeds", "attention_mask", "labels")
-    return model(**{k: batch[k] for k in fields}).loss
 
 
 def reference(batches: list[dict]) -> torch.Tensor:
@@ -63,7 +58,7 @@ def trained(tmp_path, request):
     )
     batches = iter(pipe.loader(samples(4 * (STEPS + 2)), batch_size=4))
     for n in range(1, STEPS + 1):
-        loss(model, next(batches)).backward()
+        embedded_loss(model, next(batches)).backward()
         pipe.step()
         pipe.parameter.grad = None
         if n == BEST:
@@ -93,7 +88,7 @@ def test_the_best_state_with_the_tables_snapshot_trains_on_as_nn_embedding(tmp_p
     model.load_state_dict(best)
     pipe.load_checkpoint(tmp_path / "best.zarr")  # the table, its Adagrad state and step 3
     for batch in batches:  # two more steps
-        loss(model, batch).backward()
+        embedded_loss(model, batch).backward()
         pipe.step()
         pipe.parameter.grad = None
     data = samples(4 * (STEPS + 2))
@@ -110,7 +105,7 @@ def test_the_best_state_with_the_tables_snapshot_trains_on_as_nn_embedding(tmp_p
 def test_a_state_dict_of_this_step_or_without_a_step_is_not_refused(trained):
     model, pipe, batches, best = trained
     model.load_state_dict(model.state_dict())  # taken and loaded at step 6
-    loss(model, next(batches)).backward()
+    embedded_loss(model, next(batches)).backward()
     pipe.step()
     del best[PREFIX + "_extra_state"]  # as an older state dict
     model.load_state_dict(best)
@@ -169,9 +164,9 @@ def test_an_older_model_on_the_table_left_with_a_stale_state_dict_is_not_checked
     with embedpipe.EmbeddingPipe(
         table, cache_rows=50, optimizer=embedpipe.optim.SGD(lr=0.1)
     ) as pipe:
-        train_steps(first, pipe, 1)
+        train_table(first, pipe, 4)
         state = first.state_dict()
-        train_steps(first, pipe, 1)
+        train_table(first, pipe, 4)
         first.load_state_dict(state)  # taken at step 1; the table is at step 2
     table.close()
     second = bert(dropout=0.0)
@@ -179,15 +174,8 @@ def test_an_older_model_on_the_table_left_with_a_stale_state_dict_is_not_checked
     with embedpipe.EmbeddingPipe(
         table, cache_rows=50, optimizer=embedpipe.optim.SGD(lr=0.1)
     ) as pipe:
-        train_steps(second, pipe, 2)
+        train_table(second, pipe, 8)
     assert first is not None
-
-
-def train_steps(model, pipe, n: int) -> None:
-    for batch in pipe.loader(samples(4 * n), batch_size=4):
-        loss(model, batch).backward()
-        pipe.step()
-        pipe.parameter.grad = None
 
 
 def test_a_frozen_evaluation_of_the_matching_snapshot_leaves_the_training_table_checked(
