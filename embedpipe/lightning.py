@@ -51,6 +51,14 @@ class PipeCallback(lightning.Callback):
     def setup(
         self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, stage: str
     ) -> None:
+        for callback in getattr(trainer, "checkpoint_callbacks", ()):
+            if getattr(callback, "save_weights_only", False):
+                raise ValueError(
+                    f"{type(callback).__name__}(save_weights_only=True): Lightning then leaves "
+                    "the callbacks out of its checkpoints, and with them the table's snapshot "
+                    "that PipeCallback keeps in each, so they would hold no word embeddings; "
+                    "set save_weights_only=False"
+                )
         if all(p is not self.pipe.parameter for p in pl_module.parameters()):
             self.pipe.attach(pl_module)
         # Lightning's DDP wraps the LightningModule, whose attribute DDP reads: offload told

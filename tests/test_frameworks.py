@@ -617,6 +617,32 @@ def test_lightning_clips_accumulates_prefetches_and_checkpoints_the_table(tmp_pa
     assert lightning.__version__  # the package the test ran with
 
 
+def test_lightning_refuses_weights_only_checkpoints_which_would_hold_no_table(tmp_path):
+    """``ModelCheckpoint(save_weights_only=True)``: Lightning leaves the callbacks out of such
+    checkpoints, with them the table's snapshot ``PipeCallback`` keeps in each: refused before
+    the first batch, rather than checkpoints that silently hold no word embeddings."""
+    lightning = pytest.importorskip("lightning")
+    from embedpipe.lightning import PipeCallback
+
+    model = bert(dropout=0.0)
+    with offloaded(model, tmp_path / "t.zarr") as pipe:
+
+        def optimizer(m):
+            groups = [{"params": dense_parameters(m)}, {"params": [pipe.parameter]}]
+            return torch.optim.AdamW(groups, lr=DENSE_LR, eps=1e-6)
+
+        weights_only = lightning.pytorch.callbacks.ModelCheckpoint(
+            dirpath=tmp_path / "steps", save_weights_only=True, every_n_train_steps=1
+        )
+        callbacks = [PipeCallback(pipe), weights_only]
+        loader = pipe.loader(samples(8), batch_size=4)
+        with pytest.raises(ValueError, match="save_weights_only=True"):
+            lightning_fit(
+                model, optimizer, loader, offloaded_inputs, callbacks=callbacks, root=tmp_path
+            )
+        assert pipe._owner.submitted == 0
+
+
 def test_lightning_validates_a_checkpoint_with_its_table_and_refuses_one_without(tmp_path):
     """``validate(ckpt_path=...)`` loads the module's weights of that checkpoint: with
     ``PipeCallback`` the table's snapshot comes back too; without it the table stays where

@@ -60,7 +60,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..errors import NonFiniteGradientError
+from ..errors import EmbeddingsOffloadedError, NonFiniteGradientError
 
 #: Called with (ids (U,) CPU int64, grad (U, D) on the gradient's device, lr or None) per step.
 StepSink = Callable[[torch.Tensor, torch.Tensor, "float | None"], None]
@@ -103,8 +103,20 @@ class TableGradient:
             return None if gradient is None else gradient._pre_step(optimizer, args, kwargs)
 
         self._hook = register_optimizer_step_pre_hook(pre_step)
+        self._value_hook: Any = None
+        self.trains()
         self.clear()  # an adopted parameter may hold what an earlier pipe left
         self.see_optimizers()  # optimizers built before the pipe: their rates as built
+
+    def trains(self) -> bool:
+        """The parameter requires grad (the table is not frozen). Then it is hooked to refuse a
+        loss that uses its value (:func:`_refuse_its_value`): when the pipe is made, or at the
+        first batch read after the table is unfrozen (a frozen parameter takes no hook)."""
+        if not self.parameter.requires_grad:
+            return False
+        if self._value_hook is None:
+            self._value_hook = self.parameter.register_hook(_refuse_its_value)
+        return True
 
     # ----------------------------------------------------------------------------- backward
     @property
@@ -277,6 +289,8 @@ class TableGradient:
             )
             self.clear()
         self._hook.remove()
+        if self._value_hook is not None:
+            self._value_hook.remove()
 
 
 #: The key of a shared group's rate when embedpipe first saw it (NOTE [ The table's learning
@@ -285,6 +299,19 @@ BUILT_LR = "embedpipe_built_lr"
 
 #: The attribute ``offload`` sets on the embedding weight it replaces (the table's path).
 OFFLOADED = "_embedpipe_offloaded"
+
+
+def _refuse_its_value(grad: torch.Tensor) -> None:
+    """The parameter's own gradient hook. The pipe sets ``.grad`` itself and never puts the
+    parameter in a graph: a gradient autograd computes for it comes from a loss that used its
+    value, which stands for no rows."""
+    raise EmbeddingsOffloadedError(
+        "the loss used the value of pipe.parameter (a weight penalty or a norm over "
+        "model.parameters()?): it holds the pending gradient of the embedding table, not its "
+        "rows, so the loss saw zeros where nn.Embedding's weight has the whole table, and the "
+        "table would train differently. Leave pipe.parameter out of such terms "
+        "(p is not pipe.parameter); the table's rows are on disk and no loss can read them all"
+    )
 
 
 def _group_of(optimizer: torch.optim.Optimizer, parameter: nn.Parameter) -> dict[str, Any] | None:

@@ -141,7 +141,7 @@ class Owner:
     def trains_now(self) -> bool:
         """The table takes gradients: it has an optimizer and its parameter requires grad
         (``model.get_input_embeddings().requires_grad_(False)`` freezes it, as an embedding)."""
-        return self.gradient is not None and self.gradient.parameter.requires_grad
+        return self.gradient is not None and self.gradient.trains()
 
     def before_lookup(self) -> None:
         """Before a lookup in the training loop (``num_workers=0``), in exact mode: wait for the

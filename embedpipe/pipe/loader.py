@@ -194,9 +194,15 @@ class PipeLoader(DataLoader):
             return dict(remade)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    def __iter__(self) -> Iterator[EmbeddedBatch]:  # type: ignore[override]
+    def __iter__(self) -> Epoch:  # type: ignore[override]
+        return Epoch(self, super().__iter__())  # NOTE [ An epoch begins at iter() ]
+
+    def _claimed(self, iterator: Any) -> Iterator[EmbeddedBatch | None]:
+        """The epoch's batches, claimed as they come, after a first None: primed, the generator
+        is inside its ``try``, so the window is freed however the epoch ends, even unstarted."""
         try:
-            for batch in self._batches():
+            yield None
+            for batch in self._batches(iterator):
                 yield batch._claim()
         finally:
             if isinstance(self.batch_sampler, Foresight):
@@ -216,9 +222,8 @@ class PipeLoader(DataLoader):
         finally:
             self.worker_init_fn = init
 
-    def _batches(self) -> Iterator[EmbeddedBatch]:
+    def _batches(self, iterator: Any) -> Iterator[EmbeddedBatch]:
         """The DataLoader's output, with a failed batch ending the epoch cleanly."""
-        iterator = super().__iter__()
         inline = self.num_workers == 0  # the lookup runs at next(), in this thread
         try:
             while True:
@@ -246,6 +251,39 @@ class PipeLoader(DataLoader):
                     "while loading batches; see the worker's own output above for why"
                 ) from e
             raise
+
+
+# NOTE [ An epoch begins at iter() ]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A DataLoader makes its iterator at ``iter(loader)``: that draws the iterator's base seed from
+# torch's global generator and, with workers, starts them and draws the sampler's order as they
+# prefetch. The epoch here is made at the same moment, not at the first ``next()``: made later
+# (a generator's body runs only then), any draw the loop made in between (``zip`` making a
+# second loader's iterator, a dropout, a noise) came before the loader's, and the batches were
+# other than a DataLoader's, with nothing said.
+
+
+class Epoch:
+    """``iter(loader)``: torch's iterator, made at once, whose batches are claimed as they come.
+    ``len()`` is the iterator's, as a DataLoader's."""
+
+    def __init__(self, loader: PipeLoader, iterator: Any) -> None:
+        self._iterator = iterator
+        self._claims = loader._claimed(iterator)
+        next(self._claims)  # primed: see ``_claimed``
+
+    def __iter__(self) -> Epoch:
+        return self
+
+    def __next__(self) -> EmbeddedBatch:
+        return next(self._claims)  # type: ignore[return-value]
+
+    def __len__(self) -> int:
+        return len(self._iterator)
+
+    def close(self) -> None:
+        """End the epoch early, as a generator's ``close()`` does."""
+        self._claims.close()
 
 
 def _dead_workers(iterator: Any, wait: bool) -> list[Any]:

@@ -191,7 +191,7 @@ class RemoteOwner:
 
     @property
     def trains_now(self) -> bool:
-        return self.gradient is not None and self.gradient.parameter.requires_grad
+        return self.gradient is not None and self.gradient.trains()
 
     @property
     def behind(self) -> int:

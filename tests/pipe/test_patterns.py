@@ -615,13 +615,15 @@ def other_samples(n: int) -> list[dict]:
     ]
 
 
+@pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("owner", ["thread", "process"])
-def test_two_loaders_taking_turns_train_as_two_dataloaders(tmp_path, owner):
+def test_two_loaders_taking_turns_train_as_two_dataloaders(tmp_path, owner, workers):
     """Multi-task training: two shuffled loaders over two datasets, zipped, a step a batch
     from each in turn (each loader's epoch foreseen by the pipe, or not): the batches and the
-    table as two plain DataLoaders feeding nn.Embedding."""
+    table as two plain DataLoaders feeding nn.Embedding. (``zip`` makes both iterators before
+    the first batch: NOTE [ An epoch begins at iter() ].)"""
     first, second = samples(24), other_samples(24)
-    options = dict(batch_size=4, shuffle=True, num_workers=2)
+    options = dict(batch_size=4, shuffle=True, num_workers=workers)
     reference = Toy()
     dense, adagrad = reference_optimizer(reference)
     expected = []
@@ -646,6 +648,79 @@ def test_two_loaders_taking_turns_train_as_two_dataloaders(tmp_path, owner):
         assert len(got) == len(expected) == 12
         assert all(torch.equal(g, e) for g, e in zip(got, expected))
         assert torch.equal(table(pipe), reference.emb.weight.detach())
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(num_workers=0), dict(num_workers=2), dict(num_workers=2, persistent_workers=True)],
+    ids=["0-workers", "2-workers", "persistent"],
+)
+def test_an_epoch_begins_at_iter_as_a_dataloaders(tmp_path, options):
+    """``iter(loader)`` makes torch's iterator at once (its seed; with workers, the sampler's
+    order): a draw between ``iter()`` and the first ``next()``, and two live iterators of one
+    loader, give a DataLoader's batches. ``len()`` of the iterator is a DataLoader's."""
+    data, options = samples(24), dict(batch_size=4, shuffle=True, **options)
+
+    def batches(make):
+        torch.manual_seed(7)
+        loader = make(data, **options)
+        first = iter(loader)
+        torch.rand(1)  # a dropout, a noise, a second loader's iterator
+        got = [next(first)["input_ids"].clone() for _ in range(2)]
+        for _ in range(2):  # two epochs of two live iterators (zip): the second resets the first
+            got += [b["input_ids"].clone() for pair in zip(loader, loader) for b in pair]
+        return got, len(iter(loader))
+
+    expected, length = batches(torch.utils.data.DataLoader)
+    with offloaded(tmp_path, Toy()) as pipe:
+        got, pipe_length = batches(pipe.loader)
+    assert pipe_length == length == 6
+    assert len(got) == len(expected) and all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+@pytest.mark.parametrize("unfrozen", [False, True], ids=["trained", "unfrozen-later"])
+def test_a_penalty_on_the_parameters_values_raises_and_trains_without_the_table(tmp_path, unfrozen):
+    """A weight penalty over ``model.parameters()`` reads ``pipe.parameter``, which holds no rows
+    (nn.Embedding's weight would add the whole table to it): its backward raises, and nothing
+    reaches the table, also for a table frozen when the pipe was made and unfrozen since. The
+    same penalty without it trains as nn.Embedding's with the penalty on the dense weights
+    alone."""
+    data = samples(16)
+    reference = Toy()
+    dense, adagrad = reference_optimizer(reference)
+    for batch in torch.utils.data.DataLoader(data, batch_size=4):
+        penalty = sum(p.pow(2).sum() for p in reference.lin.parameters())
+        (loss(reference, batch, False) + 1e-2 * penalty).backward()
+        step_both(dense, adagrad)
+    model = Toy()
+    path = embedpipe.hf.offload(model, tmp_path / "t.zarr", chunk_rows=16)
+    if unfrozen:
+        freeze_the_module(model)
+    adagrad = embedpipe.optim.Adagrad(**ADAGRAD)
+    with embedpipe.EmbeddingPipe(path, cache_rows=20, optimizer=adagrad) as pipe:
+        if unfrozen:  # gradual unfreezing
+            model.get_input_embeddings().requires_grad_(True)
+        optimizer = one_optimizer(model, pipe)
+        before = table(pipe)
+        batches = iter(pipe.loader(data[:8] + data, batch_size=4))
+        penalty = lambda: sum(p.pow(2).sum() for p in model.parameters())  # noqa: E731
+        with pytest.raises(embedpipe.errors.EmbeddingsOffloadedError, match="p is not pipe.param"):
+            (loss(model, next(batches), True) + 1e-2 * penalty()).backward()
+        optimizer.zero_grad()
+        # made before the forward, the penalty's backward runs after the rows' (which set the
+        # parameter's shape): torch raises there, at the shape its saved value has changed to
+        early = penalty()
+        with pytest.raises(RuntimeError, match="size of tensor"):
+            (loss(model, next(batches), True) + 1e-2 * early).backward()
+        optimizer.zero_grad()
+        assert pipe._owner.submitted == 0 and torch.equal(table(pipe), before)
+        for batch in batches:
+            penalty = sum(p.pow(2).sum() for p in model.parameters() if p is not pipe.parameter)
+            (loss(model, batch, True) + 1e-2 * penalty).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert torch.equal(table(pipe), reference.emb.weight.detach())
+        assert torch.equal(model.lin.weight, reference.lin.weight)
 
 
 def test_a_copy_of_an_offloaded_model_is_refused_and_one_made_before_offload_trains_apart(
