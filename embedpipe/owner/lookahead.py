@@ -15,9 +15,8 @@ the batches in flight by its ids, and each claim releases at least one of them, 
 pins no row longer than its batch is in flight and grows no list. The pipe stops looking ahead (LFU
 from then on), saying why once: with ``auto`` when most of the last :data:`JUDGED_BATCHES` claims
 matched nothing foreseen, with any policy when the child fails or sends nothing in twice as many.
-
-One stream owns the window at a time, the first loader iterated's; another iterated meanwhile (an
-evaluation loop mid-epoch) has no lookahead.
+One stream owns the window at a time, the first loader iterated's; another (an evaluation loop
+mid-epoch) has no lookahead.
 
 NOTE [ Misses read by the owner ]
 With workers, ``prefetch_factor x num_workers`` batches are looked up before the first of them is
@@ -124,9 +123,8 @@ class Foresight(BatchSampler):
     :class:`Ahead` with a :class:`Stream` foreseeing from the first batch the DataLoader draws.
 
     Being the loader's ``batch_sampler`` (a ``BatchSampler``, whose ``sampler`` a framework may
-    replace), it also serves the loaders that frameworks build from it: Accelerate's
-    ``prepare`` and ``skip_first_batches``, and with them Trainer. Made as a ``BatchSampler``
-    (Lightning's, for a sampler of its own), it is one: the loader Lightning makes foresees."""
+    replace), it serves the loaders frameworks build from it too: Accelerate's ``prepare`` and
+    ``skip_first_batches`` (Trainer). Made as a ``BatchSampler`` (Lightning's) it is one."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         return BatchSampler(*args, **kwargs) if "batch_size" in kwargs else super().__new__(cls)
@@ -144,6 +142,7 @@ class Foresight(BatchSampler):
         self._owner, self._dataset, self._ids_key = owner, dataset, ids_key
         self._source, self._defer = source, defer
         self._stream: Stream | None = None
+        self._order: Ahead | None = None  # the iterator of the epoch it foresees
 
     def __iter__(self) -> Iterator[list[int]]:
         self.stop()  # a new epoch of this loader: its last one is over
@@ -156,12 +155,13 @@ class Foresight(BatchSampler):
         sampler draws its order when first asked (``RandomSampler`` from torch's global
         generator, accelerate's ``SeedableRandomSampler`` from its epoch), so the fork's copy of
         the iterator then holds the order this epoch will really have."""
+        self._order = order
         self._stream = self._owner.start_stream(
             self._dataset, self._ids_key, order, self._source, self._defer
         )
 
-    def stop(self) -> None:
-        if self._stream is not None:
+    def stop(self, order: Ahead | None = None) -> None:  # given ``order``: if still its epoch's
+        if self._stream is not None and order in (None, self._order):
             self._owner.end_stream(self._stream)
             self._stream = None
 

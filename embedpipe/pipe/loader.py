@@ -199,14 +199,16 @@ class PipeLoader(DataLoader):
 
     def _claimed(self, iterator: Any) -> Iterator[EmbeddedBatch | None]:
         """The epoch's batches, claimed as they come, after a first None: primed, the generator
-        is inside its ``try``, so the window is freed however the epoch ends, even unstarted."""
+        is inside its ``try``, so the window is freed however the epoch ends, even unstarted
+        (unless a later epoch of the loader has begun: its window is not this one's)."""
+        order = getattr(iterator, "_sampler_iter", None)  # this epoch's (a Foresight's Ahead)
         try:
             yield None
             for batch in self._batches(iterator):
                 yield batch._claim()
         finally:
             if isinstance(self.batch_sampler, Foresight):
-                self.batch_sampler.stop()  # an epoch left early: the window is free again
+                self.batch_sampler.stop(order)  # an epoch left early: the window is free again
 
     def _get_iterator(self) -> Any:
         """Torch's iterator, whose workers start their watch of the training process first

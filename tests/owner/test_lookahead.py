@@ -196,6 +196,21 @@ def test_an_evaluation_loader_inside_an_epoch_leaves_the_window_alone(tmp_path):
         assert pipe._owner.stream is None
 
 
+def test_an_epoch_dropped_after_the_next_began_leaves_its_foresight_alone(tmp_path):
+    """``epoch = iter(loader)`` again mid-epoch: the earlier epoch's iterator goes after the new
+    one has drawn (its workers prefetch), and ends only its own epoch's foresight."""
+    embedpipe.Table.create(tmp_path / "t.zarr", 50, 2).close()
+    samples = [{"input_ids": torch.tensor([i % 50, (i * 7) % 50])} for i in range(40)]
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=10) as pipe:
+        loader = pipe.loader(samples, batch_size=4, num_workers=2)
+        epoch = iter(loader)
+        next(epoch)["inputs_embeds"]
+        epoch = iter(loader)
+        assert pipe._owner.stream is not None
+        for batch in epoch:
+            batch["inputs_embeds"]
+        assert pipe._owner.stream is None
+
 def test_lookahead_must_be_a_count():
     with pytest.raises(ValueError, match="lookahead must be an integer >= 0"):
         embedpipe.EmbeddingPipe("nowhere", cache_rows=1, lookahead=-1)
