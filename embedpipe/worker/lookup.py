@@ -93,11 +93,15 @@ class Lookup:
         if self.streamed:
             self._check_streamed(samples)
         fields = self.collate(samples)
-        if not isinstance(fields, Mapping) or self.ids_key not in fields:
-            keys = list(fields) if isinstance(fields, Mapping) else type(fields).__name__
+        if not isinstance(fields, Mapping):
             raise TypeError(
-                f"the collated batch must be a mapping with the ids under {self.ids_key!r}, got {keys}; "
-                "pass ids_key=... or a collate_fn that returns a dict"
+                f"the collated batch must be a mapping with the ids under {self.ids_key!r}, got "
+                f"a {type(fields).__name__}; give the loader a collate_fn that returns a dict"
+            )
+        if self.ids_key not in fields:
+            raise TypeError(
+                f"the collated batch has no ids under {self.ids_key!r} (its keys: "
+                f"{list(fields)}); pass ids_key= the key of the token ids"
             )
         version = version_of(fields[self.ids_key])  # NOTE [ Ids edited in place ]
         ids = as_ids(fields[self.ids_key], self.num_rows, what="batch ids")

@@ -211,6 +211,7 @@ def test_an_epoch_dropped_after_the_next_began_leaves_its_foresight_alone(tmp_pa
             batch["inputs_embeds"]
         assert pipe._owner.stream is None
 
+
 def test_lookahead_must_be_a_count():
     with pytest.raises(ValueError, match="lookahead must be an integer >= 0"):
         embedpipe.EmbeddingPipe("nowhere", cache_rows=1, lookahead=-1)

@@ -245,6 +245,22 @@ def test_a_datasets_getitems_is_used_and_a_bad_sample_is_named(tmp_path):
             list(pipe.loader(Batched(bad), batch_size=2))
 
 
+@pytest.mark.parametrize(
+    ("collate", "message"),
+    [
+        (lambda s: (torch.stack([x["input_ids"] for x in s]),), "got a tuple; give the loader a"),
+        (lambda s: {"ids": torch.stack([x["input_ids"] for x in s])}, r"keys: \['ids'\]"),
+    ],
+    ids=["tuple", "other-key"],
+)
+def test_a_collate_without_the_ids_under_their_key_says_what_to_change(tmp_path, collate, message):
+    embedpipe.Table.create(tmp_path / "t.zarr", 10, 4).close()
+    data = [{"input_ids": torch.tensor([1, 2])} for _ in range(4)]
+    with EmbeddingPipe(tmp_path / "t.zarr", cache_rows=3) as pipe:
+        with pytest.raises(TypeError, match=message):
+            next(iter(pipe.loader(data, batch_size=2, collate_fn=collate)))
+
+
 class _SaysItsInit(torch.utils.data.Dataset):
     """Samples that carry what the worker's ``worker_init_fn`` left in the environment."""
 
