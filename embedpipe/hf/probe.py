@@ -10,10 +10,12 @@ an error: Marian, Pegasus, FSMT, FalconH1... multiply the looked-up rows by ``em
 read the embedding's weight even when given ``inputs_embeds``.
 
 So before anything is written, :func:`check` runs the model on a few ids (one row of 4 real
-tokens: no padding, no special ids, non-zero rows), in eval mode and with torch's random state
-kept: once with ``input_ids`` and the embedding in place, once with the placeholder in place and
-``inputs_embeds`` as the pipe would hand them (the embedding module's output for those ids,
-carrying the ids as a batch's do). It tries the outermost module that holds the embedding and
+tokens: no padding, no special ids, non-zero rows; then one with the special ids the config
+names, where a head may look for them: Longformer's question answering, Splinter's), in eval
+mode, with torch's random state and the modules' attributes kept (BigBird switches to full
+attention for good on a short input): once with ``input_ids`` and the embedding in place, once
+with the placeholder in place and ``inputs_embeds`` as the pipe would hand them (the embedding
+module's output for those ids, carrying the ids as a batch's do). It tries the outermost module that holds the embedding and
 takes both ``input_ids`` and ``inputs_embeds`` and runs both ways (an encoder-decoder's encoder,
 where the whole model asks for decoder inputs). The outputs must be equal bit for bit:
 
@@ -51,28 +53,65 @@ MODEL_SCALES = ("embed_scale", "embedding_multiplier")
 
 
 def check(model: nn.Module, embeddings: nn.Module, placeholder: OffloadedEmbedding) -> None:
-    """See the NOTE. Leaves the model's embedding, modes and random state as they were."""
+    """See the NOTE. Leaves the model's modules, their attributes, the embedding and torch's
+    random state as they were."""
     ids = _probe_ids(model, embeddings)
     if ids is None:
         return
-    modes = {m: m.training for m in model.modules()}
-    try:
-        for module in modes:  # the flags only: model.eval() also re-kernelizes a HF model
+    # the embedding's hooks run on the pipe's rows later, not on the probe's
+    with (
+        kept_as_they_were(model),
+        torch.no_grad(),
+        torch.random.fork_rng(devices=devices(ids)),
+        hooks_set_aside(embeddings),
+        hooks_set_aside(placeholder),  # (it holds the same dicts)
+    ):
+        for module in model.modules():  # the flags only: model.eval() re-kernelizes a HF model
             module.training = False
-        # the embedding's hooks run on the pipe's rows later, not on the probe's
-        with (
-            torch.no_grad(),
-            torch.random.fork_rng(devices=devices(ids)),
-            hooks_set_aside(embeddings),
-            hooks_set_aside(placeholder),  # (it holds the same dicts)
-        ):
-            candidates, scales = _candidates(model, embeddings)
-            for module in candidates:
-                if _compare(model, module, embeddings, placeholder, ids, scales):
-                    return
+        candidates, scales = _candidates(model, embeddings)
+        for rows in (ids, _with_special_ids(model, embeddings, ids)):
+            for module in candidates if rows is not None else ():
+                if _compare_as_batch(model, module, embeddings, placeholder, rows, scales):
+                    break
+
+
+def _compare_as_batch(
+    model: nn.Module,
+    module: nn.Module,
+    embeddings: nn.Module,
+    placeholder: OffloadedEmbedding,
+    ids: torch.Tensor,
+    scales: list[float],
+) -> bool | None:
+    """:func:`_compare` on the row, or, where that cannot run, on the row as the one choice of
+    one question (a multiple-choice head takes (batch, choices, length) ids)."""
+    compared = _compare(model, module, embeddings, placeholder, ids, scales)
+    if compared is None:
+        compared = _compare(model, module, embeddings, placeholder, ids[None], scales)
+    return compared
+
+
+@contextmanager
+def kept_as_they_were(model: nn.Module) -> Iterator[None]:
+    """The model's modules, and each one's attributes, put back after the block: a forward
+    may change them for good (BigBird's switches to full attention for a short input, and
+    replaces its attention modules)."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    attributes = {module: dict(vars(module)) for module in modules.values()}
+    try:
+        yield
     finally:
-        for module, training in modes.items():
-            module.training = training
+        _put_back(model, modules)
+        for module, saved in attributes.items():
+            state = vars(module)
+            for name in [name for name in state if name not in saved]:
+                del state[name]
+            for name, value in saved.items():
+                if state.get(name, _MISSING) is not value:
+                    state[name] = value
+
+
+_MISSING = object()
 
 
 def _compare(
@@ -97,6 +136,8 @@ def _compare(
     tries: list[float | None] = [None]
     if placeholder.embed_scale is None:
         tries += scales
+    elif placeholder.in_model:  # found on an earlier row: the model's own scale
+        tries = [float(placeholder.embed_scale)]
     for scale in tries:
         given = embeds if scale is None else scaled(embeds, scale)
         setattr(given, GATHERED_IDS, lambda on_device=True: ids)  # as a batch's: for the hooks
@@ -118,8 +159,9 @@ def _compare(
             return True
     raise InvalidRowsError(
         f"{name} computes something else from inputs_embeds than from input_ids (checked on "
-        f"{PROBE_TOKENS} ids): it does more with the ids or the rows than look them up, so "
-        "offloading its word embeddings would change what it computes"
+        f"the ids {ids.flatten().tolist()}): it does more with the ids or the rows than look "
+        "them up (a special id it looks for: a separator, a question token), so offloading its "
+        "word embeddings would change what it computes"
     )
 
 
@@ -133,13 +175,18 @@ def swapped_in(model: nn.Module, placeholder: OffloadedEmbedding) -> Iterator[di
     try:
         yield dict(model.named_modules(remove_duplicate=False))
     finally:
-        for name, module in before.items():
-            if not name:
-                continue
-            parent_name, _, attribute = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            if getattr(parent, attribute, None) is not module:
-                setattr(parent, attribute, module)
+        _put_back(model, before)
+
+
+def _put_back(model: nn.Module, modules: dict[str, nn.Module]) -> None:
+    """Every module of ``modules`` (``named_modules()`` as it was) where it was."""
+    for name, module in modules.items():
+        if not name:
+            continue
+        parent_name, _, attribute = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if getattr(parent, attribute, None) is not module:
+            setattr(parent, attribute, module)
 
 
 def refuse_displacing(
@@ -209,6 +256,39 @@ def _probe_ids(model: nn.Module, embeddings: nn.Module) -> torch.Tensor | None:
                 row = (picked * (length // PROBE_TOKENS + 1))[:length]
                 return torch.tensor([row], device=weight.device)
     return None
+
+
+#: The special ids a head may look for in ``input_ids`` (Longformer's question answering puts
+#: global attention on the tokens before the first separator; Splinter's pools the question
+#: token), beside the real tokens, in the second row the probe tries.
+SPECIAL_IDS = ("sep_token_id", "cls_token_id", "mask_token_id", "question_token_id")
+
+
+def _with_special_ids(
+    model: nn.Module, embeddings: nn.Module, ids: torch.Tensor
+) -> torch.Tensor | None:
+    """The probe's row with the special ids the model's config names, laid out as a question and
+    a context (``cls q sep sep others c sep``, then real tokens), as long as the first row or a
+    multiple of it; None if the config names none."""
+    text = text_config(model)
+    found = {key: getattr(text, key, None) for key in SPECIAL_IDS}
+    found = {
+        k: v
+        for k, v in found.items()
+        if isinstance(v, int)
+        and 0 <= v < embeddings.weight.shape[0]
+        and v != getattr(embeddings, "padding_idx", None)
+    }
+    if not found:
+        return None
+    real = ids[0].tolist()
+    sep, cls = found.pop("sep_token_id", None), found.pop("cls_token_id", None)
+    row = [cls] if cls is not None else []
+    row += [real[0], *([sep, sep] if sep is not None else []), *found.values(), real[1]]
+    row += [sep] if sep is not None else []
+    length = -(-len(row) // len(real)) * len(real)
+    row += (real * (length // len(real)))[: length - len(row)]
+    return torch.tensor([row], device=ids.device)
 
 
 def _candidates(model: nn.Module, embeddings: nn.Module) -> tuple[list[nn.Module], list[float]]:

@@ -694,6 +694,54 @@ def test_a_model_that_pads_to_its_attention_window_is_probed_at_that_length(tmp_
     assert isinstance(model.get_input_embeddings(), OffloadedEmbedding)
 
 
+def longformer_config(**overrides):
+    return transformers.LongformerConfig(
+        vocab_size=V, hidden_size=D, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64, attention_window=4, pad_token_id=1,
+        bos_token_id=0, eos_token_id=2, sep_token_id=2, **overrides,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: transformers.LongformerForQuestionAnswering(longformer_config()),
+        lambda: transformers.LongformerForMultipleChoice(longformer_config()),
+        lambda: transformers.SplinterForQuestionAnswering(
+            tiny_bert_config(V, pad_token_id=0, question_token_id=104, model_type="splinter")
+        ),
+    ],
+    ids=["Longformer-QA", "Longformer-multiple-choice", "Splinter-QA"],
+)
+def test_a_head_that_looks_for_a_special_id_is_refused(tmp_path, make):
+    """Longformer's question answering and multiple choice put global attention on the tokens
+    before the first separator they find in input_ids; Splinter's pools the question token.
+    Given inputs_embeds they do neither: the probe's second row, with the config's special
+    ids, finds it (the first, of real tokens only, computes the same both ways)."""
+    torch.manual_seed(0)
+    model = make().eval()
+    with pytest.raises(errors.InvalidRowsError, match="special id it looks for"):
+        offload(model, tmp_path / "t.zarr")
+    assert not (tmp_path / "t.zarr").exists()
+
+
+def test_the_probe_leaves_the_models_attributes_as_they_were(tmp_path):
+    """BigBird switches to full attention for good (replacing its attention modules) when
+    given an input as short as the probe's: offload puts them back, so block-sparse attention
+    stays what the model computes, as it did before offload."""
+    torch.manual_seed(0)
+    config = transformers.BigBirdConfig(
+        vocab_size=V, hidden_size=D, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=128, attention_type="block_sparse",
+        block_size=2, num_random_blocks=1, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.BigBirdModel(config).eval()
+    attention = [m for n, m in model.named_modules() if n.endswith("attention.self")]
+    offload(model, tmp_path / "t.zarr").close()
+    assert model.attention_type == "block_sparse"
+    assert [m for n, m in model.named_modules() if n.endswith("attention.self")] == attention
+
+
 def plus_one(module, args, out):
     """A hook that changes the rows (as NEFTune's noise does), without drawing."""
     return out + 1.0
