@@ -51,7 +51,7 @@ class PipeCallback(lightning.Callback):
     def setup(
         self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, stage: str
     ) -> None:
-        for callback in getattr(trainer, "checkpoint_callbacks", ()):
+        for callback in getattr(trainer, "checkpoint_callbacks", ()) if stage == "fit" else ():
             if getattr(callback, "save_weights_only", False):
                 raise ValueError(
                     f"{type(callback).__name__}(save_weights_only=True): Lightning then leaves "

@@ -641,6 +641,10 @@ def test_lightning_refuses_weights_only_checkpoints_which_would_hold_no_table(tm
                 model, optimizer, loader, offloaded_inputs, callbacks=callbacks, root=tmp_path
             )
         assert pipe._owner.submitted == 0
+        evaluating = lightning.Trainer(callbacks=callbacks, logger=False)  # writes no checkpoint
+        callbacks[0].setup(
+            evaluating, lightning_module(model, offloaded_inputs, optimizer), "validate"
+        )
 
 
 def test_lightning_validates_a_checkpoint_with_its_table_and_refuses_one_without(tmp_path):

@@ -307,10 +307,11 @@ def _refuse_its_value(grad: torch.Tensor) -> None:
     value, which stands for no rows."""
     raise EmbeddingsOffloadedError(
         "the loss used the value of pipe.parameter (a weight penalty or a norm over "
-        "model.parameters()?): it holds the pending gradient of the embedding table, not its "
-        "rows, so the loss saw zeros where nn.Embedding's weight has the whole table, and the "
-        "table would train differently. Leave pipe.parameter out of such terms "
-        "(p is not pipe.parameter); the table's rows are on disk and no loss can read them all"
+        "model.parameters(), or a 0 * p.sum() term that touches every parameter for DDP?): it "
+        "holds the pending gradient of the embedding table, not its rows, so such a term sees "
+        "zeros where nn.Embedding's weight has the whole table. Leave pipe.parameter out of it "
+        "(p is not pipe.parameter): the table's rows are on disk, no loss can read them all, "
+        "and DDP never waits for the table's parameter (the pipe takes it out of DDP's)"
     )
 
 

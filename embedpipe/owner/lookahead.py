@@ -15,8 +15,7 @@ the batches in flight by its ids, and each claim releases at least one of them, 
 pins no row longer than its batch is in flight and grows no list. The pipe stops looking ahead (LFU
 from then on), saying why once: with ``auto`` when most of the last :data:`JUDGED_BATCHES` claims
 matched nothing foreseen, with any policy when the child fails or sends nothing in twice as many.
-One stream owns the window at a time, the first loader iterated's; another (an evaluation loop
-mid-epoch) has no lookahead.
+One stream owns the window at a time, the first loader iterated's (not an evaluation mid-epoch).
 
 NOTE [ Misses read by the owner ]
 With workers, ``prefetch_factor x num_workers`` batches are looked up before the first of them is
@@ -155,6 +154,7 @@ class Foresight(BatchSampler):
         sampler draws its order when first asked (``RandomSampler`` from torch's global
         generator, accelerate's ``SeedableRandomSampler`` from its epoch), so the fork's copy of
         the iterator then holds the order this epoch will really have."""
+        self.stop()  # an epoch begun before this one's first draw (zip(loader, loader))
         self._order = order
         self._stream = self._owner.start_stream(
             self._dataset, self._ids_key, order, self._source, self._defer

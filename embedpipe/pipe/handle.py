@@ -31,6 +31,7 @@ from ..service.address import is_address
 from ..service.client import RemoteOwner
 from ..service.rank import RankOwner, open_shared
 from ..store.checkpoints import Checkpoint
+from ..store.layout import refuse_another_optimizer
 from ..store.table import Table
 from .derived import watch
 from .placeholder import OffloadedEmbedding, finish_embeds, ignore_in_ddp, offloaded_embeddings
@@ -360,15 +361,14 @@ class EmbeddingPipe:
 
     def load_checkpoint(self, folder: str | os.PathLike[str]) -> None:
         """Make this pipe's table the snapshot in ``folder`` (made by :meth:`save_checkpoint`, or
-        any table of the same shape), at that snapshot's step.
-
-        The cache is emptied, gradients not yet stepped are dropped, and the snapshot becomes
-        the table's newest checkpoint. Call it before training resumes.
-        """
+        any table of the same shape and row optimizer), at that snapshot's step. The cache is
+        emptied, gradients not yet stepped are dropped, and the snapshot becomes the table's
+        newest checkpoint. Call it before training resumes."""
         if self.optimizer is None:
             raise ValueError("load_checkpoint needs a pipe that trains the table (an optimizer)")
         source = Table.open(folder, "r")
         _check_compatible(self.table, source)
+        refuse_another_optimizer(source.metadata, self.optimizer, source.path)
         self._owner.load(source)
 
     def close(self) -> None:

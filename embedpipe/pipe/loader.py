@@ -195,7 +195,13 @@ class PipeLoader(DataLoader):
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __iter__(self) -> Epoch:  # type: ignore[override]
-        return Epoch(self, super().__iter__())  # NOTE [ An epoch begins at iter() ]
+        try:  # NOTE [ An epoch begins at iter() ]
+            iterator = super().__iter__()
+        except BaseException:  # (workers that prefetched may have begun the epoch's foresight)
+            if isinstance(self.batch_sampler, Foresight):
+                self.batch_sampler.stop()
+            raise
+        return Epoch(self, iterator)
 
     def _claimed(self, iterator: Any) -> Iterator[EmbeddedBatch | None]:
         """The epoch's batches, claimed as they come, after a first None: primed, the generator

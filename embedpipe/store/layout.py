@@ -98,6 +98,23 @@ def read_table_metadata(path: str) -> dict[str, Any]:
     return meta
 
 
+def refuse_another_optimizer(meta: dict[str, Any], optimizer: Any, path: str) -> None:
+    """Raise if the table (``meta``: its metadata, or a snapshot's) was stepped by a row
+    optimizer other than ``optimizer``: its state would be another's (Adam's step count would
+    go on from the table's step, Adagrad's sum from an earlier run), not a fresh optimizer's."""
+    trained = (meta.get("optimizer") or {}).get("name")
+    step = int(meta.get("step", 0))
+    if optimizer is None or trained in (None, optimizer.name) or step == 0:
+        return
+    raise ValueError(
+        f"the table {path} was trained by {trained} up to step {step}; {optimizer.name} would "
+        f"go on from that step and from {trained}'s state, where a fresh optimizer starts from "
+        f"step 1. Train it with embedpipe.optim's {trained} as before, or copy its rows to a "
+        "table of their own: "
+        f"embedpipe.Table.from_tensor(NEW_PATH, embedpipe.Table.open({path!r}).to_tensor())"
+    )
+
+
 def open_group(root: str, mode: str) -> tuple[zarr.Group, dict[str, Any]]:
     """The zarr group at ``root`` (the table, or one of its checkpoints) and its embedpipe
     metadata; raises if it is not a table."""

@@ -43,6 +43,7 @@ from .layout import (
     open_to_write,
     pin_checkpoint,
     read_table_metadata,
+    refuse_another_optimizer,
     tensor_rows,
 )
 from .lock import WriterLock
@@ -309,9 +310,9 @@ class Table:
         self._update_metadata(**values)
 
     def _prepare(self, optimizer: Any, keep: int | None, shards: dict | None = None) -> None:
-        """For a pipe that trains the table: ``optimizer``'s state arrays (a RowOptimizer), its
-        configuration, ``keep`` and how the table is sharded (None: by one process) in the
-        metadata."""
+        """For a pipe that trains the table: ``optimizer``'s state arrays (a RowOptimizer) and
+        configuration, ``keep`` and the sharding (None: one process) in the metadata."""
+        refuse_another_optimizer(self._meta, optimizer, self.path)
         for name, fill in optimizer.state_init().items():
             if name not in self.state_names:
                 self._add_state(name, fill)
@@ -424,10 +425,7 @@ class Table:
     # ----------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Commit what was written since the last checkpoint, then release the writer lock (a
-        reader: let its checkpoint be pruned).
-
-        Refused while an :class:`~embedpipe.EmbeddingPipe` owns the table: close the pipe first.
-        """
+        reader: let its checkpoint be pruned). Refused while an ``EmbeddingPipe`` owns it."""
         if self._owner is not None:
             self._check_writable("closing the table")
         if self._pin is not None:

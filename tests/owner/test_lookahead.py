@@ -212,6 +212,39 @@ def test_an_epoch_dropped_after_the_next_began_leaves_its_foresight_alone(tmp_pa
         assert pipe._owner.stream is None
 
 
+class _BreaksAtItsThirdBatch(torch.utils.data.Sampler):
+    def __len__(self) -> int:
+        return 40
+
+    def __iter__(self):
+        for i in range(40):
+            if i == 8:
+                raise RuntimeError("the sampler broke")
+            yield i
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_no_foresight_outlives_its_epochs(tmp_path, workers):
+    """Two iterators of one loader zipped (the second's first draw begins its foresight over
+    the first's), and an iter() that raises after the workers' prefetch began one: when they
+    are over, no foresight runs that no loader could stop."""
+    embedpipe.Table.create(tmp_path / "t.zarr", 50, 2).close()
+    samples = [{"input_ids": torch.tensor([i % 50, (i * 7) % 50])} for i in range(40)]
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=10) as pipe:
+        loader = pipe.loader(samples, batch_size=4, num_workers=workers)
+        for pair in zip(loader, loader):
+            for batch in pair:
+                batch["inputs_embeds"]
+        assert pipe._owner.stream is None
+        broken = pipe.loader(
+            samples, batch_size=4, num_workers=workers, sampler=_BreaksAtItsThirdBatch()
+        )
+        with pytest.raises(RuntimeError, match="the sampler broke"):
+            for batch in broken:
+                batch["inputs_embeds"]
+        assert pipe._owner.stream is None
+
+
 def test_lookahead_must_be_a_count():
     with pytest.raises(ValueError, match="lookahead must be an integer >= 0"):
         embedpipe.EmbeddingPipe("nowhere", cache_rows=1, lookahead=-1)

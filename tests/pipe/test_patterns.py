@@ -723,6 +723,33 @@ def test_a_penalty_on_the_parameters_values_raises_and_trains_without_the_table(
         assert torch.equal(model.lin.weight, reference.lin.weight)
 
 
+def test_a_table_trained_by_one_row_optimizer_refuses_another(tmp_path):
+    """Adam would go on from the table's step (its bias correction) and from Adagrad's state,
+    where a fresh torch optimizer starts from step 1: reopening the table, or loading its
+    snapshot, with another row optimizer is refused before anything is written."""
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        optimizer = one_optimizer(model, pipe)
+        for batch in pipe.loader(samples(8), batch_size=4):
+            loss(model, batch, True).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        pipe.save_checkpoint(tmp_path / "snapshot")
+        trained = table(pipe)
+    pipe.table.close()  # offload's handle
+    adam = embedpipe.optim.Adam(lr=0.01)
+    with pytest.raises(ValueError, match="trained by adagrad up to step 2"):
+        embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=20, optimizer=adam)
+    embedpipe.Table.from_tensor(tmp_path / "other.zarr", trained, chunk_rows=16).close()
+    with embedpipe.EmbeddingPipe(tmp_path / "other.zarr", cache_rows=20, optimizer=adam) as pipe:
+        with pytest.raises(ValueError, match="trained by adagrad up to step 2"):
+            pipe.load_checkpoint(tmp_path / "snapshot")
+        assert pipe.table.step == 0 and torch.equal(table(pipe), trained)
+    adagrad = embedpipe.optim.Adagrad(**ADAGRAD)  # the same kind, as before
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=20, optimizer=adagrad) as pipe:
+        assert pipe.table.step == 2 and torch.equal(table(pipe), trained)
+
+
 def test_a_copy_of_an_offloaded_model_is_refused_and_one_made_before_offload_trains_apart(
     tmp_path,
 ):
