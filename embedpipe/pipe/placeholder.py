@@ -26,7 +26,14 @@ from torch import nn
 from ..errors import EmbeddingsOffloadedError
 from .callhooks import Hooked, forward_hooks, has_hooks, take_hooks
 from .rowscale import scale_of, scaled, without_weight
-from .rowsource import check_step, pipe_step, read_through, stamp, taken_at
+from .rowsource import (
+    check_step,
+    pipe_step,
+    read_like_its_table,
+    read_through,
+    stamp,
+    taken_at,
+)
 
 #: The offloaded embedding modules of this process, by table path, oldest first: a pipe on that
 #: table adopts the newest one's gradient parameter and attaches it to all of them.
@@ -342,6 +349,19 @@ class OffloadedEmbedding(nn.Module):
             "see the rows change). Copy the model before embedpipe.hf.offload (the copy keeps "
             "its own nn.Embedding), or snapshot the table with pipe.checkpoint()"
         )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A model pickled whole (torch.save(model)) holds no rows, and when loaded would read
+        # the table as it is then: the table's step goes with it, checked as a loaded state
+        # dict's is (NOTE [ A state dict keeps the table's step ] in ``rowsource.py``).
+        step: dict[str, Any] = {}
+        stamp(self, step, "")
+        return {**self.__dict__, "_loaded_step": taken_at(step, "")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._register(self.path)  # a pipe on the table finds it, as one made here
+        read_like_its_table(self)
 
     def _apply(self, fn: Any, recurse: bool = True) -> OffloadedEmbedding:
         # model.to(device) / .half() reach us here: follow them on an empty tensor (no memory)

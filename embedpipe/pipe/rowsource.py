@@ -63,6 +63,16 @@ def read_through(module: Any, pipe: Any) -> None:
     _PIPES[module] = (weakref.ref(pipe), pipe.table.path)
 
 
+def read_like_its_table(module: Any) -> None:
+    """``module`` was just unpickled: the open pipe that reads another module of its table in
+    this process (the model it was pickled from) holds its rows too."""
+    for other, (ref, _) in list(_PIPES.items()):
+        pipe = ref()
+        if other is not module and other.path == module.path and trained_by(other) is pipe:
+            read_through(module, pipe)
+            return
+
+
 def trained_by(module: Any) -> Any:
     """The open pipe whose table holds ``module``'s rows; None if it is closed or gone."""
     ref, _ = _PIPES.get(module, (lambda: None, None))
@@ -145,7 +155,8 @@ def check_step(
         return False
     if taken != step:
         raise EmbeddingsOffloadedError(
-            f"a state dict of this model was taken when the table {path or rows_path(module)} had "
+            f"a state dict of this model (or the model pickled whole) was taken when the table "
+            f"{path or rows_path(module)} had "
             f"taken {taken} steps, and it has taken {step}: loading it restores the model's "
             "other weights, not its word embeddings, which live in the table. Put the "
             f"table's snapshot of step {taken} in its place (pipe.load_checkpoint(folder) on "

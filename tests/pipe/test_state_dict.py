@@ -11,6 +11,8 @@ and ``save_pretrained`` saved that, with no error.
 from __future__ import annotations
 
 import copy
+import gc
+import io
 
 import pytest
 import torch
@@ -244,3 +246,29 @@ def test_a_state_dict_taken_after_a_load_holds_the_loaded_step(trained):
     model, _, _, best = trained
     model.load_state_dict(best)  # not yet checked: the weights are step 3's
     assert taken_at(model.state_dict(), PREFIX) == BEST
+
+
+def test_a_model_pickled_whole_keeps_the_tables_step(tmp_path, trained):
+    """``torch.save(model)`` holds no rows, and the model it loads reads the table as it is
+    then: the table's step goes with it, checked as a state dict's (a model of step 6 saved at
+    step 7 raises; one of the table's step saves its rows)."""
+    model, pipe, batches, _ = trained
+    pickled = io.BytesIO()
+    torch.save(model, pickled)  # at step 6
+    embedded_loss(model, next(batches)).backward()
+    pipe.step()
+    pipe.parameter.grad = None
+    pickled.seek(0)
+    stale = torch.load(pickled, weights_only=False)
+    with pytest.raises(embedpipe.hf.EmbeddingsOffloadedError, match="taken 6 steps.*taken 7"):
+        stale.save_pretrained(tmp_path / "stale")
+    with pytest.raises(embedpipe.hf.EmbeddingsOffloadedError, match="taken 6 steps.*taken 7"):
+        next(batches)["inputs_embeds"]  # the batch cannot tell which model will read it
+    del stale
+    gc.collect()
+    pickled = io.BytesIO()
+    torch.save(model, pickled)
+    pickled.seek(0)
+    torch.load(pickled, weights_only=False).save_pretrained(tmp_path / "saved")
+    saved = type(model).from_pretrained(tmp_path / "saved").get_input_embeddings().weight
+    assert torch.equal(saved.detach(), pipe.table.to_tensor())
