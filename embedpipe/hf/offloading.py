@@ -9,6 +9,7 @@ output layer its own copy first; :func:`embedding_bytes` says what the table cos
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -149,8 +150,16 @@ def restore(model: nn.Module, source: Any) -> nn.Module:
     trained ones), a :class:`Table`, or a path. The rows take host or accelerator memory again:
     ``num_rows x dim`` values, on the device the model expects ``inputs_embeds`` on.
     """
-    model.set_input_embeddings(_embedding_of(model, source))
+    placeholder = model.get_input_embeddings()
+    module = _embedding_of(model, source)
+    model.set_input_embeddings(module)
+    placeholder._restored = True  # a pipe training on raises: see finish_embeds
+    _RESTORED[module] = placeholder  # (kept while the model holds its rows)
     return model
+
+
+#: The placeholder each restored module replaced, alive as long as the module is.
+_RESTORED: weakref.WeakKeyDictionary[nn.Module, OffloadedEmbedding] = weakref.WeakKeyDictionary()
 
 
 @contextmanager

@@ -84,6 +84,13 @@ def finish_embeds(
         if trains:  # its table holds their rows (a module made after it too)
             for module in modules:
                 read_through(module, pipe)
+            if getattr(modules[0], "_restored", False) and torch.is_grad_enabled():
+                raise EmbeddingsOffloadedError(
+                    f"embedpipe.hf.restore put the rows of {path} back in the model, whose "
+                    "nn.Embedding no longer follows the table this pipe trains: training on "
+                    "would leave it at the rows of then. Restore once training is over; to save "
+                    "mid-training, use `with embedpipe.hf.restored(model, pipe):`"
+                )
         # the newest module: the one the batch is made for; a frozen pipe's read checks, and
         # leaves the record to the table the model trains on (NOTE [ A state dict keeps the
         # table's step ] in rowsource.py)

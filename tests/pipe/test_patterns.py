@@ -750,6 +750,25 @@ def test_a_table_trained_by_one_row_optimizer_refuses_another(tmp_path):
         assert pipe.table.step == 2 and torch.equal(table(pipe), trained)
 
 
+def test_training_on_through_the_pipe_after_restore_raises(tmp_path):
+    """``restore(model, pipe)`` mid-training puts the rows of then in the model: training on
+    through the pipe would leave its nn.Embedding behind the table, and a save would write
+    the old rows. A batch read with grad enabled raises; an evaluation does not."""
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        optimizer = one_optimizer(model, pipe)
+        batches = iter(pipe.loader(samples(16), batch_size=4))
+        loss(model, next(batches), True).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        embedpipe.hf.restore(model, pipe)
+        rows = model.emb.weight.detach().clone()
+        with torch.no_grad():
+            loss(model, next(batches), True)
+        with pytest.raises(embedpipe.errors.EmbeddingsOffloadedError, match="restore put the"):
+            loss(model, next(batches), True)
+        assert torch.equal(table(pipe), rows)
+
 def test_a_copy_of_an_offloaded_model_is_refused_and_one_made_before_offload_trains_apart(
     tmp_path,
 ):
