@@ -769,6 +769,7 @@ def test_training_on_through_the_pipe_after_restore_raises(tmp_path):
             loss(model, next(batches), True)
         assert torch.equal(table(pipe), rows)
 
+
 def test_a_copy_of_an_offloaded_model_is_refused_and_one_made_before_offload_trains_apart(
     tmp_path,
 ):
