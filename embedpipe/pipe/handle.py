@@ -315,6 +315,7 @@ class EmbeddingPipe:
         if self.optimizer is not None:
             embeddings.attach(self.parameter)
         read_through(embeddings, self)  # its rows are this table's: save_pretrained reads them
+        embeddings.table_id = self.table._meta.get("id")
         embeddings._register(self.table.path)  # batches as it takes them, from a copy too
         ignore_in_ddp(model, embeddings)
         watch(model, embeddings)  # NOTE [ What a model derives from input_ids ]

@@ -27,6 +27,7 @@ from ..errors import EmbeddingsOffloadedError
 from .callhooks import Hooked, forward_hooks, has_hooks, take_hooks
 from .rowscale import scale_of, scaled, without_weight
 from .rowsource import (
+    check_same_table,
     check_step,
     pipe_step,
     read_like_its_table,
@@ -80,6 +81,7 @@ def finish_embeds(
         return embeds if recorded is None else scaled(embeds, recorded)
     pipe = None if reader is None else reader()  # (a weak reference) the pipe reading
     if pipe is not None:
+        check_same_table(modules[0], pipe.table)
         trains = pipe.optimizer is not None
         if trains:  # its table holds their rows (a module made after it too)
             for module in modules:
@@ -170,6 +172,8 @@ class OffloadedEmbedding(nn.Module):
         #: the table's step a state dict loaded into the model was taken at (NOTE [ A state
         #: dict keeps the table's step ]); None once checked
         self._loaded_step: int | None = None
+        #: the id of the table offloaded to (``rowsource.check_same_table``); None: unknown
+        self.table_id: str | None = None
         # a pipe made on the table from now on finds it (and attaches its parameter to it)
         self._register(path)
         for made in ON_MADE:

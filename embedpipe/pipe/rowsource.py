@@ -73,6 +73,18 @@ def read_like_its_table(module: Any) -> None:
             return
 
 
+def check_same_table(module: Any, table: Any) -> None:
+    """Raise if ``table`` (a Table) is not the one ``module``'s rows were offloaded to, but one
+    made anew at its path since (``offload(other_model, path, overwrite=True)``)."""
+    mine, theirs = getattr(module, "table_id", None), table._meta.get("id")
+    if mine is not None and theirs is not None and mine != theirs:
+        raise EmbeddingsOffloadedError(
+            f"the table at {table.path} was made anew since this model's word embeddings were "
+            "offloaded to it (an offload of another model with overwrite=True?): its rows are "
+            "another table's. Save this model from a table of its own rows"
+        )
+
+
 def trained_by(module: Any) -> Any:
     """The open pipe whose table holds ``module``'s rows; None if it is closed or gone."""
     ref, _ = _PIPES.get(module, (lambda: None, None))

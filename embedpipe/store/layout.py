@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +254,7 @@ def create_empty(
         "state": [],
         "compressor": compressor,
         "keep": DEFAULT_KEEP,
+        "id": uuid.uuid4().hex,  # which table this is: one made anew at the path is another
     }
     checkpoints.write_file(
         os.path.join(path, checkpoints.METADATA),

@@ -359,11 +359,13 @@ class Table:
         """Make the live arrays those of the checkpoint folder ``source`` (another table's, as
         made by ``save_checkpoint``) and commit them as the newest checkpoint, at its step.
         State arrays ``optimizer`` needs and the source lacks are added."""
+        kept = {
+            "keep": DEFAULT_KEEP,
+            **{k: self._meta[k] for k in ("keep", "id") if k in self._meta},
+        }
         checkpoints.restore(self.path, source)
-        keep = self._meta.get("keep", DEFAULT_KEEP)
-        self._meta = read_table_metadata(self.path)
-        self._meta["keep"] = keep
         self._open_root(self.path)
+        self._meta.update(kept)  # this table's own, not the snapshot's
         if optimizer is not None:
             for name, fill in optimizer.state_init().items():
                 if name not in self.state_names:

@@ -223,6 +223,7 @@ class _BreaksAtItsThirdBatch(torch.utils.data.Sampler):
             yield i
 
 
+@pytest.mark.filterwarnings("ignore:embedpipe's lookahead policy stopped looking ahead")
 @pytest.mark.parametrize("workers", [0, 2])
 def test_no_foresight_outlives_its_epochs(tmp_path, workers):
     """Two iterators of one loader zipped (the second's first draw begins its foresight over

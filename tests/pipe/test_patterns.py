@@ -323,6 +323,13 @@ def test_offloading_again_over_the_same_path_trains_the_new_model(tmp_path):
     ):
         assert any(p is pipe.parameter for p in second.parameters())
         assert any(p is pipe.parameter for g in optimizer.param_groups for p in g["params"])
+        # the first model's rows are not in the table made anew (a notebook cell run again):
+        # restoring it, or saving it (save_pretrained reads the same way), raises
+        with pytest.raises(embedpipe.errors.EmbeddingsOffloadedError, match="made anew"):
+            embedpipe.hf.restore(first, pipe)
+        embedpipe.hf.restore(second, pipe)
+    with pytest.raises(embedpipe.errors.EmbeddingsOffloadedError, match="made anew"):
+        embedpipe.hf.restore(first, tmp_path / "t.zarr")
 
 
 def test_two_forward_passes_over_one_batch_add_up_as_with_nn_embedding(tmp_path):
