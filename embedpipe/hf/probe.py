@@ -71,24 +71,14 @@ def check(model: nn.Module, embeddings: nn.Module, placeholder: OffloadedEmbeddi
         candidates, scales = _candidates(model, embeddings)
         for rows in (ids, _with_special_ids(model, embeddings, ids)):
             for module in candidates if rows is not None else ():
-                if _compare_as_batch(model, module, embeddings, placeholder, rows, scales):
+                # where the row cannot run, as the one choice of one question (a multiple-
+                # choice head takes (batch, choices, length) ids)
+                ran = _compare(model, module, embeddings, placeholder, rows, scales)
+                if ran or (
+                    ran is None
+                    and _compare(model, module, embeddings, placeholder, rows[None], scales)
+                ):
                     break
-
-
-def _compare_as_batch(
-    model: nn.Module,
-    module: nn.Module,
-    embeddings: nn.Module,
-    placeholder: OffloadedEmbedding,
-    ids: torch.Tensor,
-    scales: list[float],
-) -> bool | None:
-    """:func:`_compare` on the row, or, where that cannot run, on the row as the one choice of
-    one question (a multiple-choice head takes (batch, choices, length) ids)."""
-    compared = _compare(model, module, embeddings, placeholder, ids, scales)
-    if compared is None:
-        compared = _compare(model, module, embeddings, placeholder, ids[None], scales)
-    return compared
 
 
 @contextmanager
