@@ -153,7 +153,7 @@ def restore(model: nn.Module, source: Any) -> nn.Module:
     placeholder = model.get_input_embeddings()
     module = _embedding_of(model, source)
     model.set_input_embeddings(module)
-    placeholder._restored = True  # a pipe training on raises: see finish_embeds
+    placeholder._restored = (weakref.ref(model), weakref.ref(module))  # see finish_embeds
     _RESTORED[module] = placeholder  # (kept while the model holds its rows)
     return model
 

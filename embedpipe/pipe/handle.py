@@ -312,10 +312,10 @@ class EmbeddingPipe:
                     "offload its word embeddings with embedpipe.hf.offload(model, path) first"
                 )
             embeddings = found[0]
-        if self.optimizer is not None:
+        if self.optimizer is not None:  # its rows are this table's (a frozen pipe's are not)
             embeddings.attach(self.parameter)
+            embeddings.table_id = self.table._meta.get("id")
         read_through(embeddings, self)  # its rows are this table's: save_pretrained reads them
-        embeddings.table_id = self.table._meta.get("id")
         embeddings._register(self.table.path)  # batches as it takes them, from a copy too
         ignore_in_ddp(model, embeddings)
         watch(model, embeddings)  # NOTE [ What a model derives from input_ids ]

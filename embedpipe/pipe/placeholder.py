@@ -81,12 +81,12 @@ def finish_embeds(
         return embeds if recorded is None else scaled(embeds, recorded)
     pipe = None if reader is None else reader()  # (a weak reference) the pipe reading
     if pipe is not None:
-        check_same_table(modules[0], pipe.table)
         trains = pipe.optimizer is not None
         if trains:  # its table holds their rows (a module made after it too)
+            check_same_table(modules[0], pipe.table)  # (a frozen pipe: any table, attached)
             for module in modules:
                 read_through(module, pipe)
-            if getattr(modules[0], "_restored", False) and torch.is_grad_enabled():
+            if torch.is_grad_enabled() and _restored_in_training(modules[0]):
                 raise EmbeddingsOffloadedError(
                     f"embedpipe.hf.restore put the rows of {path} back in the model, whose "
                     "nn.Embedding no longer follows the table this pipe trains: training on "
@@ -122,6 +122,15 @@ def finish_embeds(
             "delete the models not in use"
         )
     return modules[0].finish(embeds, recorded, ids, in_model=in_model)
+
+
+def _restored_in_training(module: OffloadedEmbedding) -> bool:
+    """``embedpipe.hf.restore`` put the rows back in a model that still holds them and is in
+    training mode (not evaluating, nor given its placeholder back)."""
+    refs = getattr(module, "_restored", None)
+    model, restored = (None, None) if refs is None else (ref() for ref in refs)
+    embeddings = getattr(model, "get_input_embeddings", None)
+    return bool(model is not None and model.training and embeddings and embeddings() is restored)
 
 
 class OffloadedEmbedding(nn.Module):

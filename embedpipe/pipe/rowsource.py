@@ -81,7 +81,8 @@ def check_same_table(module: Any, table: Any) -> None:
         raise EmbeddingsOffloadedError(
             f"the table at {table.path} was made anew since this model's word embeddings were "
             "offloaded to it (an offload of another model with overwrite=True?): its rows are "
-            "another table's. Save this model from a table of its own rows"
+            "another table's. If they are this model's (a snapshot of its table loaded into "
+            "this one), pipe.attach(model) on the pipe that trains it makes them its"
         )
 
 

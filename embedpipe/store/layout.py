@@ -100,18 +100,25 @@ def read_table_metadata(path: str) -> dict[str, Any]:
 
 
 def refuse_another_optimizer(meta: dict[str, Any], optimizer: Any, path: str) -> None:
-    """Raise if the table (``meta``: its metadata, or a snapshot's) was stepped by a row
-    optimizer other than ``optimizer``: its state would be another's (Adam's step count would
-    go on from the table's step, Adagrad's sum from an earlier run), not a fresh optimizer's."""
+    """Raise if the table (``meta``: its metadata, or a snapshot's) was stepped by another row
+    optimizer than ``optimizer`` and ``optimizer`` would not start as a fresh torch one does:
+    where it counts the table's step (Adam's bias correction, Adagrad's ``lr_decay``) or finds
+    state arrays of its own left by an earlier run (Adagrad's ``sum``). SGD, or Adagrad
+    without decay on a table that never had its state, starts fresh: allowed."""
     trained = (meta.get("optimizer") or {}).get("name")
     step = int(meta.get("step", 0))
     if optimizer is None or trained in (None, optimizer.name) or step == 0:
         return
+    counts_steps = optimizer.name == "adam" or bool(getattr(optimizer, "lr_decay", 0))
+    stale = sorted(set(optimizer.state_init()) & set(meta.get("state") or ()))
+    if not counts_steps and not stale:
+        return
+    why = f"its state {stale} from an earlier run" if stale else "the table's step"
     raise ValueError(
         f"the table {path} was trained by {trained} up to step {step}; {optimizer.name} would "
-        f"go on from that step and from {trained}'s state, where a fresh optimizer starts from "
-        f"step 1. Train it with embedpipe.optim's {trained} as before, or copy its rows to a "
-        "table of their own: "
+        f"go on from {why}, where a fresh torch optimizer starts from step 1 with fresh state. "
+        f"Train it with embedpipe.optim's {trained} as before, or copy its rows to a table of "
+        "their own: "
         f"embedpipe.Table.from_tensor(NEW_PATH, embedpipe.Table.open({path!r}).to_tensor())"
     )
 

@@ -332,6 +332,31 @@ def test_offloading_again_over_the_same_path_trains_the_new_model(tmp_path):
         embedpipe.hf.restore(first, tmp_path / "t.zarr")
 
 
+def test_an_evaluation_through_a_copy_attached_leaves_the_model_its_table(tmp_path):
+    """Mid-training, the model evaluated through a frozen pipe on a copy of its rows (a table of
+    their own: another id), attached: training on and restoring read the training table."""
+    model, data = Toy(), samples(16)
+
+    def train(pipe, optimizer, batches):
+        for batch in pipe.loader(batches, batch_size=4):
+            loss(model, batch, True).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    with offloaded(tmp_path, model) as pipe:
+        optimizer = one_optimizer(model, pipe)
+        train(pipe, optimizer, data[:8])
+        embedpipe.Table.from_tensor(tmp_path / "copy.zarr", table(pipe), chunk_rows=16).close()
+        with embedpipe.EmbeddingPipe(tmp_path / "copy.zarr", cache_rows=20) as frozen:
+            frozen.attach(model)
+            with torch.no_grad():
+                for batch in frozen.loader(data[8:], batch_size=4):
+                    loss(model, batch, True)
+        train(pipe, optimizer, data[8:])
+        embedpipe.hf.restore(model, pipe)
+        assert torch.equal(model.emb.weight.detach(), table(pipe))
+
+
 def test_two_forward_passes_over_one_batch_add_up_as_with_nn_embedding(tmp_path):
     reference = Toy()
     dense, adagrad = reference_optimizer(reference)
@@ -760,21 +785,30 @@ def test_a_table_trained_by_one_row_optimizer_refuses_another(tmp_path):
 def test_training_on_through_the_pipe_after_restore_raises(tmp_path):
     """``restore(model, pipe)`` mid-training puts the rows of then in the model: training on
     through the pipe would leave its nn.Embedding behind the table, and a save would write
-    the old rows. A batch read with grad enabled raises; an evaluation does not."""
+    the old rows. A batch read for the model in training mode with grad enabled raises; an
+    evaluation (eval mode: Trainer reads the batch before its no_grad) does not, nor does
+    training once the placeholder is put back (as ``restored`` does)."""
     model = Toy()
     with offloaded(tmp_path, model) as pipe:
         optimizer = one_optimizer(model, pipe)
-        batches = iter(pipe.loader(samples(16), batch_size=4))
+        batches = iter(pipe.loader(samples(20), batch_size=4))
         loss(model, next(batches), True).backward()
         optimizer.step()
         optimizer.zero_grad()
+        placeholder = model.get_input_embeddings()
         embedpipe.hf.restore(model, pipe)
         rows = model.emb.weight.detach().clone()
-        with torch.no_grad():
-            loss(model, next(batches), True)
+        model.eval()
+        loss(model, next(batches), True)
+        model.train()
         with pytest.raises(embedpipe.errors.EmbeddingsOffloadedError, match="restore put the"):
             loss(model, next(batches), True)
         assert torch.equal(table(pipe), rows)
+        model.set_input_embeddings(placeholder)
+        loss(model, next(batches), True).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert not torch.equal(table(pipe), rows)
 
 
 def test_a_copy_of_an_offloaded_model_is_refused_and_one_made_before_offload_trains_apart(

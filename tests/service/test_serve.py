@@ -88,8 +88,9 @@ def test_a_service_trains_the_table_nn_embedding_trains_and_outlives_the_job(
             )
         assert stats["steps"] == 8 and table.step == 8
         assert service.poll() is None  # still serving: a second job goes on from step 8
-        again = embedpipe.optim.from_config({"name": optimizer, "lr": 0.1})  # the same kind
-        with EmbeddingPipe(path, cache_rows=50, optimizer=again, owner=address) as pipe:
+        with EmbeddingPipe(
+            path, cache_rows=50, optimizer=embedpipe.optim.SGD(lr=0.1), owner=address
+        ) as pipe:
             assert pipe.table.step == 8
             batch = next(iter(pipe.loader(data, batch_size=8)))
             batch["inputs_embeds"].sum().backward()
