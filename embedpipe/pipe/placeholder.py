@@ -340,7 +340,11 @@ class OffloadedEmbedding(nn.Module):
     def _error(self) -> EmbeddingsOffloadedError:
         return EmbeddingsOffloadedError(
             f"the word embeddings of this model live in {self.path}; call the model with "
-            "inputs_embeds=batch['inputs_embeds'] from embedpipe's loader, not input_ids"
+            "inputs_embeds=batch['inputs_embeds'] from embedpipe's loader, not input_ids. Given "
+            "inputs_embeds, a model still embeds ids of its own where it pads them to its "
+            "attention window or block size (Longformer, BigBird: pad the batches to a multiple "
+            "of it), looks up token_type_ids in its word embeddings (GPT-2), or generates "
+            "(generate() embeds each new token): those cannot run with the table offloaded"
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:

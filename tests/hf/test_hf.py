@@ -725,6 +725,19 @@ def test_a_head_that_looks_for_a_special_id_is_refused(tmp_path, make):
     assert not (tmp_path / "t.zarr").exists()
 
 
+def test_a_model_that_embeds_padding_ids_itself_says_why(tmp_path):
+    """Longformer pads a batch to a multiple of its attention window by embedding pad ids, even
+    when given inputs_embeds: the error says so, not only to pass inputs_embeds."""
+    torch.manual_seed(0)
+    model = transformers.LongformerModel(longformer_config()).eval()
+    with offload(model, tmp_path / "t.zarr") as table:
+        with embedpipe.EmbeddingPipe(table, cache_rows=V) as pipe:
+            data = [{"input_ids": torch.arange(3, 9)} for _ in range(2)]  # 6: not a multiple
+            batch = next(iter(pipe.loader(data, batch_size=2)))
+            with pytest.raises(errors.EmbeddingsOffloadedError, match="attention window"):
+                model(inputs_embeds=batch["inputs_embeds"])
+
+
 def test_the_probe_leaves_the_models_attributes_as_they_were(tmp_path):
     """BigBird switches to full attention for good (replacing its attention modules) when
     given an input as short as the probe's: offload puts them back, so block-sparse attention
