@@ -24,7 +24,7 @@ from ..owner.gradient import OFFLOADED
 from ..pipe.derived import unwatch, watch
 from ..pipe.placeholder import OffloadedEmbedding, ignore_in_ddp
 from ..pipe.rowscale import recorded_scale
-from ..pipe.rowsource import check_same_table, pipe_step
+from ..pipe.rowsource import pipe_step
 from ..ranks.shards import process_group
 from ..store.table import Table
 from .probe import check, refuse_displacing, swapped_in
@@ -198,23 +198,20 @@ def _embedding_of(model: nn.Module, source: Any) -> nn.Module:
     # each checks a state dict loaded before, forgetting nothing (the placeholder may come
     # back: restored): NOTE [ A state dict keeps the table's step ]
     if hasattr(source, "flush") and hasattr(source, "table"):  # a pipe: write its steps first
-        check_same_table(placeholder, source.table)
         if source._owner.closed:  # its last steps are committed: read the table as it is now
             with Table.open(source.table.path, "r") as table:
-                placeholder.check_loaded_step(table.step, forget=False)
+                placeholder.check_table(table)
                 weight, metadata = table.to_tensor(), table.metadata
         else:
-            placeholder.check_loaded_step(pipe_step(source), forget=False)
+            placeholder.check_table(source.table, pipe_step(source))
             source.flush()
             weight, metadata = source.table.to_tensor(), source.table.metadata
     elif isinstance(source, Table):
-        check_same_table(placeholder, source)
-        placeholder.check_loaded_step(source.step, forget=False)
+        placeholder.check_table(source)
         weight, metadata = source.to_tensor(), source.metadata
     else:
         with Table.open(source, "r") as table:
-            check_same_table(placeholder, table)
-            placeholder.check_loaded_step(table.step, forget=False)
+            placeholder.check_table(table)
             weight, metadata = table.to_tensor(), table.metadata
     expected = (placeholder.num_embeddings, placeholder.embedding_dim)
     if tuple(weight.shape) != expected:

@@ -44,7 +44,6 @@ from torch import nn
 from ..errors import EmbeddingsOffloadedError, ShardMismatchError
 from ..pipe.placeholder import OffloadedEmbedding
 from ..pipe.rowsource import (
-    check_same_table,
     check_step,
     pipe_step,
     rows_path,
@@ -238,8 +237,7 @@ def table_of(placeholder: OffloadedEmbedding, flush: bool = True) -> tuple[Table
     it, forgetting nothing (NOTE [ A state dict keeps the table's step ])."""
     pipe = trained_by(placeholder)
     if pipe is not None:
-        check_same_table(placeholder, pipe.table)
-        placeholder.check_loaded_step(pipe_step(pipe), pipe.table.path, forget=False)
+        placeholder.check_table(pipe.table, pipe_step(pipe))
         try:  # its applied steps in the table's files, read through its own handle
             if flush:
                 pipe.flush()
@@ -252,8 +250,7 @@ def table_of(placeholder: OffloadedEmbedding, flush: bool = True) -> tuple[Table
         return pipe.table, False
     table = Table.open(rows_path(placeholder), "r")  # as committed (by the pipe's close)
     try:
-        check_same_table(placeholder, table)
-        placeholder.check_loaded_step(table.step, table.path, forget=False)
+        placeholder.check_table(table)
     except BaseException:
         table.close()
         raise

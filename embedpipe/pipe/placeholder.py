@@ -337,6 +337,13 @@ class OffloadedEmbedding(nn.Module):
         if check_step(self, getattr(self, "_loaded_step", None), step, path) and forget:
             self._loaded_step = None
 
+    def check_table(self, table: Any, step: int | None = None) -> None:
+        """Raise if ``table`` is not the one this module's rows were offloaded to (made anew at
+        its path), or a state dict loaded into the model was taken at another step than
+        ``step`` (default: the table's); forgets nothing (a save, a restore)."""
+        check_same_table(self, table)
+        self.check_loaded_step(table.step if step is None else step, table.path, forget=False)
+
     def _error(self) -> EmbeddingsOffloadedError:
         return EmbeddingsOffloadedError(
             f"the word embeddings of this model live in {self.path}; call the model with "

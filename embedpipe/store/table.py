@@ -359,13 +359,11 @@ class Table:
         """Make the live arrays those of the checkpoint folder ``source`` (another table's, as
         made by ``save_checkpoint``) and commit them as the newest checkpoint, at its step.
         State arrays ``optimizer`` needs and the source lacks are added."""
-        kept = {
-            "keep": DEFAULT_KEEP,
-            **{k: self._meta[k] for k in ("keep", "id") if k in self._meta},
-        }
+        kept = {"keep": self._meta.get("keep", DEFAULT_KEEP)}  # this table's own, not the
+        kept.update({"id": self._meta["id"]} if "id" in self._meta else {})  # snapshot's
         checkpoints.restore(self.path, source)
         self._open_root(self.path)
-        self._meta.update(kept)  # this table's own, not the snapshot's
+        self._meta.update(kept)
         if optimizer is not None:
             for name, fill in optimizer.state_init().items():
                 if name not in self.state_names:
