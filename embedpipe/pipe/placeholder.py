@@ -86,6 +86,8 @@ def finish_embeds(
             check_same_table(modules[0], pipe.table)  # (a frozen pipe: any table, attached)
             for module in modules:
                 read_through(module, pipe)
+                if module.table_id is None:  # built by hand (a resume): its rows are this table's
+                    module.table_id = pipe.table._meta.get("id")
             if torch.is_grad_enabled() and _restored_in_training(modules[0]):
                 raise EmbeddingsOffloadedError(
                     f"embedpipe.hf.restore put the rows of {path} back in the model, whose "

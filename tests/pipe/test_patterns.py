@@ -83,6 +83,15 @@ def offloaded(tmp_path, model, name="t.zarr", **options):
     )
 
 
+def offloaded_table(tmp_path, name="t.zarr"):
+    """A training pipe on the table already at ``tmp_path / name``."""
+    return embedpipe.EmbeddingPipe(
+        str(tmp_path / name),
+        cache_rows=20,
+        optimizer=embedpipe.optim.Adagrad(**ADAGRAD),
+    )
+
+
 def table(pipe) -> torch.Tensor:
     return pipe.table.to_tensor()
 
@@ -330,6 +339,23 @@ def test_offloading_again_over_the_same_path_trains_the_new_model(tmp_path):
         embedpipe.hf.restore(second, pipe)
     with pytest.raises(embedpipe.errors.EmbeddingsOffloadedError, match="made anew"):
         embedpipe.hf.restore(first, tmp_path / "t.zarr")
+
+
+def test_a_model_rebuilt_on_its_table_is_checked_against_a_table_made_anew(tmp_path):
+    """A model rebuilt to resume (its placeholder built by hand, ``replacing``) takes the id of
+    the table the pipe that trains it reads; one made anew at that path later holds no rows of
+    it: restoring it from there raises."""
+    embedpipe.hf.offload(Toy(), tmp_path / "t.zarr", chunk_rows=16).close()
+    rebuilt = Toy()
+    placeholder = embedpipe.hf.OffloadedEmbedding.replacing(rebuilt.emb, str(tmp_path / "t.zarr"))
+    rebuilt.set_input_embeddings(placeholder)
+    with offloaded_table(tmp_path) as pipe:
+        batch = next(iter(pipe.loader(samples(4), batch_size=4)))
+        loss(rebuilt, batch, True).backward()
+        pipe.step()
+    embedpipe.hf.offload(Toy(1), tmp_path / "t.zarr", chunk_rows=16, overwrite=True).close()
+    with pytest.raises(embedpipe.errors.EmbeddingsOffloadedError, match="made anew"):
+        embedpipe.hf.restore(rebuilt, tmp_path / "t.zarr")
 
 
 def test_an_evaluation_through_a_copy_attached_leaves_the_model_its_table(tmp_path):
