@@ -301,7 +301,8 @@ class Table:
 
     @property
     def step(self) -> int:
-        """The training step the table's contents correspond to."""
+        """The step of the table's last checkpoint as this handle last read or wrote it; a pipe
+        training the table is further on (``pipe.stats()["submitted"]``: the steps it took)."""
         return int(self._meta.get("step", 0))
 
     def update_metadata(self, **values: Any) -> None:
