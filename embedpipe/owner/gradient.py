@@ -13,7 +13,18 @@ offloaded table gets the same by holding its pending gradient in :attr:`TableGra
 The parameter sits in the model where the ``nn.Embedding`` was (``embedpipe.hf.offload``), so
 ``model.parameters()`` yields it in the embedding's place and a global norm sums it in the same
 order. The step is taken in torch's global optimizer step pre-hook, before the optimizer reads
-any ``.grad``, when the optimizer holds the parameter (NOTE [ Which optimizer steps the table ]):
+any ``.grad``, when the optimizer holds the parameter (NOTE [ A step leaves .grad as torch does ]
+torch steps every parameter whose ``.grad`` is not None, and leaves ``.grad`` as it was: a loop
+that never zeroes it adds the next batch to it, a second ``step()`` applies it again, and one
+zeroed in place (``zero_grad(set_to_none=False)``, a frozen table's) still counts a step
+(Adagrad's ``lr_decay`` and Adam's bias correction count it) and moves nothing. The table's
+step does the same: it takes a copy of ``.grad`` (lazy: made when either is first written), hides
+``.grad`` from the optimizer while it steps (its update would write the stand-in parameter), and
+puts it back in the post-step hook. A zeroed gradient is a step of no rows. What the fused
+kernels do with ``GradScaler`` (``grad_scale``: divide, leaving ``.grad`` unscaled;
+``found_inf``: skip the step) the table's step does too.
+
+NOTE [ Which optimizer steps the table ]):
 the gradient is taken off the parameter (``.grad = None``, so AdamW and friends skip it) and
 queued as one table step, with the learning rate of the parameter group that holds it. A ``step(closure)`` (Lightning) computes the gradient inside the step, after clipping: then
 the step is taken when the closure returns.
@@ -29,14 +40,16 @@ group that holds the parameter:
   times the group's rate relative to the rate it was built with, ``group["lr"] / built``.
   ``built`` is the group's ``initial_lr`` where a scheduler set one; otherwise the group's rate
   when embedpipe first saw the optimizer: when the pipe was made, at the pipe's first batch, or
-  at the optimizer's first step, whichever came first, kept in the group as
+  at the optimizer's first step, whichever came first (at that step, a rate other than the
+  optimizer's built ``defaults['lr']`` raises: a warmup may have begun), kept in the group as
   ``group["embedpipe_built_lr"]`` so that it travels with ``optimizer.state_dict()`` (a resumed
   run restores it). So a hand-written warmup (which sets the rate inside the loop, after the
   batch is drawn), ``ReduceLROnPlateau`` and a rate changed by hand scale the table as they
   scale the group. A built rate of 0 raises: no factor can follow it;
 - in no optimizer: the row optimizer's ``lr``, stepped by ``pipe.step()``.
 
-Other hyperparameters of the group (AdamW's weight decay, betas, eps) do not apply to the table.
+Other hyperparameters of the group (AdamW's weight decay, betas, eps) do not apply to the table;
+``maximize`` does (the table ascends too).
 
 NOTE [ Which optimizer steps the table ]
 Only an optimizer that holds ``pipe.parameter`` takes the table's gradient, when its ``step()``
@@ -58,7 +71,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from ..errors import EmbeddingsOffloadedError, NonFiniteGradientError
 
@@ -102,7 +118,17 @@ class TableGradient:
             gradient = ref()
             return None if gradient is None else gradient._pre_step(optimizer, args, kwargs)
 
+        def post_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+            gradient = ref()
+            if gradient is not None:
+                gradient._post_step()
+
         self._hook = register_optimizer_step_pre_hook(pre_step)
+        self._post_hook = register_optimizer_step_post_hook(post_step)
+        #: the gradient an optimizer's step took, hidden from it while it steps: (.grad, its
+        #: version once back); it steps again at the next step unless changed or dropped
+        self._taken: tuple[torch.Tensor, int] | None = None
+        self._hidden: torch.Tensor | None = None
         self._value_hook: Any = None
         self.trains()
         self.clear()  # an adopted parameter may hold what an earlier pipe left
@@ -119,6 +145,13 @@ class TableGradient:
         return True
 
     # ----------------------------------------------------------------------------- backward
+    def _live(self) -> bool:
+        """``.grad`` holds a gradient: not dropped, nor zeroed in place (see :attr:`pending`)."""
+        grad = self.parameter.grad
+        if grad is None or self.ids is None:
+            return False
+        return grad._version == self._version or bool(grad.any())
+
     @property
     def pending(self) -> bool:
         """A gradient has been accumulated and no step has taken it (nor ``zero_grad`` dropped it).
@@ -128,11 +161,12 @@ class TableGradient:
         row at all, so a zeroed gradient counts as dropped here too: its rows are not stepped
         (Adam would otherwise decay their moments and move them). In-place changes are seen by
         the tensor's version counter; clipping changes it too, but leaves a non-zero gradient.
+        A gradient an optimizer's step took and nothing changed since is not pending, though it
+        stays as ``.grad`` (NOTE [ A step leaves .grad as torch does ]).
         """
-        grad = self.parameter.grad
-        if grad is None or self.ids is None:
+        if not self._live():
             return False
-        return grad._version == self._version or bool(grad.any())
+        return self._taken is None or self._taken[1] != self.parameter.grad._version
 
     def add(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
         """Add one backward pass's gradient ``grad`` (U, D) of the rows ``ids`` (U,) sorted.
@@ -152,7 +186,8 @@ class TableGradient:
                 RuntimeWarning,
                 stacklevel=4,
             )
-        if not self.pending or held.shape[0] != len(self.ids):  # dropped by zero_grad: start anew
+        self._taken = self._hidden = None  # (a taken gradient not zeroed adds up, as .grad does)
+        if not self._live() or held.shape[0] != len(self.ids):  # dropped by zero_grad: anew
             self._hold(ids, grad)
         else:
             both, where = torch.unique(torch.cat([self.ids, ids]), return_inverse=True)
@@ -194,6 +229,7 @@ class TableGradient:
         param.data = param.data.new_empty(0, param.shape[1])
         self.ids = None
         self.backwards = 0
+        self._taken = self._hidden = None
 
     # ----------------------------------------------------------------------------- the step
     def step(self, lr: float | None = None) -> bool:
@@ -224,10 +260,18 @@ class TableGradient:
                 "LBFGS cannot train an offloaded table: its line search re-evaluates the loss "
                 "at trial points of every parameter; leave pipe.parameter out of it"
             )
-        _see(group)
+        _see_at_step(optimizer, group)
+        if kwargs.get("grad_scaler") is not None:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() takes the GradScaler itself (grad_scaler=): "
+                "embedpipe cannot tell how it unscales the table's gradient; leave "
+                "pipe.parameter out of this optimizer and step the table with pipe.step()"
+            )
+        if _found_inf(optimizer):  # GradScaler, and an optimizer that unscales itself (fused)
+            return None  # it skips this step: the gradient stays, as torch's does
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if closure is None:
-            self.step(self._group_lr(optimizer, group))
+            self._step_by(optimizer, group)
             return None
         calls = 0
 
@@ -240,12 +284,42 @@ class TableGradient:
                     "table takes one gradient per step (optimizers such as LBFGS are not supported)"
                 )
             out = closure()
-            self.step(self._group_lr(optimizer, group))
+            self._step_by(optimizer, group)
             return out
 
         if len(args) > 1:
             return (args[0], closure_then_step, *args[2:]), kwargs
         return args, {**kwargs, "closure": closure_then_step}
+
+    def _step_by(self, optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
+        """One table step by ``optimizer``, of what ``.grad`` holds, as torch steps a parameter
+        (NOTE [ A step leaves .grad as torch does ])."""
+        grad = self.parameter.grad
+        if grad is None or self.ids is None:
+            return  # torch skips a parameter with no .grad
+        scale = getattr(optimizer, "grad_scale", None)  # GradScaler, and a fused optimizer
+        if scale is not None and self._live():
+            grad.div_(scale.to(grad.device))  # as its kernel does, leaving .grad unscaled
+            self._version = grad._version
+        lr = self._group_lr(optimizer, group)
+        ids = self.ids if self._live() else self.ids[:0]  # zeroed in place: no row moves,
+        # but the step counts (Adam's and Adagrad's lr_decay step), as torch's does
+        # (the step's own copy: .grad stays the user's to change; lazy, copied at a write)
+        taken = -grad[: len(ids)] if group.get("maximize") else _lazy_clone(grad[: len(ids)])
+        self.check(ids, taken)  # a refused step leaves the gradient pending
+        self._passed_over = False
+        self.backwards = 0
+        self._hidden = grad
+        self.parameter.grad = None  # the optimizer skips it; back after its step
+        self.on_step(ids, taken, lr)
+        self.steps += 1
+
+    def _post_step(self) -> None:
+        """An optimizer's step ended: the gradient it took is ``.grad`` again."""
+        grad, self._hidden = self._hidden, None
+        if grad is not None and self.ids is not None and self.parameter.grad is None:
+            self.parameter.grad = grad
+            self._taken = (grad, grad._version)
 
     # ----------------------------------------------------------------------------- rates
     def see_optimizers(self) -> None:
@@ -289,6 +363,7 @@ class TableGradient:
             )
             self.clear()
         self._hook.remove()
+        self._post_hook.remove()
         if self._value_hook is not None:
             self._value_hook.remove()
 
@@ -315,6 +390,18 @@ def _refuse_its_value(grad: torch.Tensor) -> None:
     )
 
 
+#: A copy made when either tensor is first written (torch's copy-on-write), else a copy now.
+_lazy_clone = getattr(torch, "_lazy_clone", torch.clone)
+
+
+def _found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """``GradScaler`` found an inf in the gradients of an optimizer that unscales them in its own
+    step (``fused=True``): it calls the step all the same, with ``found_inf`` set, and the
+    optimizer skips it."""
+    found = getattr(optimizer, "found_inf", None)
+    return found is not None and bool(found.item())
+
+
 def _group_of(optimizer: torch.optim.Optimizer, parameter: nn.Parameter) -> dict[str, Any] | None:
     """The group of ``optimizer`` that holds ``parameter``, if one does."""
     return next(
@@ -326,6 +413,27 @@ def _see(group: dict[str, Any]) -> None:
     """Note the group's rate as first seen, in the group itself, so that it travels with the
     optimizer's state_dict (a resumed run's decayed rate is not taken for the built one)."""
     group.setdefault(BUILT_LR, float(group["lr"]))
+
+
+def _see_at_step(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
+    """:func:`_see` at an optimizer's step. A shared group first seen there (its optimizer was
+    built after the pipe's first batch) at another rate than the optimizer was built with may
+    have been warmed up by hand already: its built rate is not known, so that raises."""
+    if (
+        BUILT_LR not in group
+        and "initial_lr" not in group
+        and len(group["params"]) > 1
+        and group["lr"] != optimizer.defaults.get("lr")
+    ):
+        raise RuntimeError(
+            f"the {type(optimizer).__name__} group that holds the embedding table, first seen "
+            f"by embedpipe at this step, is at a rate of {group['lr']} and the optimizer was "
+            f"built at {optimizer.defaults.get('lr')}: the table's rate follows the group's as "
+            "a factor of the rate it was built with, which embedpipe cannot know here. Build the "
+            "optimizer before the pipe's first batch, set group['initial_lr'] to its built rate "
+            "(as LRScheduler does), or give pipe.parameter a group of its own"
+        )
+    _see(group)
 
 
 def _refuse_stale(optimizer: torch.optim.Optimizer) -> None:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import embedpipe
+from embedpipe.owner.gradient import BUILT_LR
 
 V, D = 60, 8
 # owner="thread" where a test looks at or patches the owner's objects (its cache, policy,
@@ -318,6 +319,27 @@ def test_a_hand_written_warmup_in_a_shared_group_scales_the_table_as_built(tmp_p
             optimizer.zero_grad()
         assert torch.allclose(table(pipe), reference.emb.weight.detach(), rtol=0, atol=1e-7)
         assert "initial_lr" not in optimizer.param_groups[0]  # embedpipe wrote nothing there
+
+
+def test_an_optimizer_built_mid_run_and_warmed_up_by_hand_raises_at_its_step(tmp_path):
+    """A second phase's AdamW(model.parameters()), built after the pipe's first batch, is first
+    seen at its step: at the rate it was built with its built rate is known, but warmed up by
+    hand before that step it is not, and the table's rate cannot follow it: that raises."""
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        for phase in ("constant", "warmed up"):
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)  # one group, shared
+            batch = next(iter(pipe.loader(samples(4), batch_size=4)))
+            if phase == "warmed up":
+                optimizer.param_groups[0]["lr"] = 0.01
+            loss(model, batch, True).backward()
+            if phase == "constant":
+                optimizer.step()
+                assert optimizer.param_groups[0][BUILT_LR] == 0.1
+            else:
+                with pytest.raises(RuntimeError, match="first seen by embedpipe at this step"):
+                    optimizer.step()
+            optimizer.zero_grad()
 
 
 def test_offloading_again_over_the_same_path_trains_the_new_model(tmp_path):
@@ -637,6 +659,87 @@ def test_a_grad_scaler_unscales_the_table_and_skips_its_step_on_inf(tmp_path, ow
         assert sum(n > CLIP for n in norms) >= 3  # the clip scaled those steps, in both runs
         pipe.flush()
         assert pipe.stats()["steps"] == 5  # six batches, one skipped
+        assert torch.equal(table(pipe), reference.emb.weight.detach())
+        assert torch.equal(model.lin.weight, reference.lin.weight)
+
+
+@pytest.mark.parametrize("unscale", [False, True], ids=["scaled", "unscaled-first"])
+def test_a_grad_scaler_with_a_fused_optimizer_unscales_and_skips_the_table_too(tmp_path, unscale):
+    """A fused optimizer unscales its gradients in its own step and skips the step on an inf
+    (GradScaler calls it all the same, with grad_scale and found_inf set): the table's step
+    does the same, bit for bit with nn.Embedding under the same loop."""
+    data = samples(24)
+
+    def run(model, batches, optimizers, offloaded: bool) -> None:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        for k, batch in enumerate(batches):
+            out = loss(model, batch, offloaded) * (float("inf") if k == 2 else 1.0)
+            scaler.scale(out).backward()
+            for optimizer in optimizers:
+                if unscale:
+                    scaler.unscale_(optimizer)
+                scaler.step(optimizer)
+            scaler.update()
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+
+    reference = Toy()
+    dense = torch.optim.AdamW(reference.lin.parameters(), lr=1e-2, fused=True)
+    adagrad = torch.optim.Adagrad([reference.emb.weight], **ADAGRAD)
+    run(reference, torch.utils.data.DataLoader(data, batch_size=4), [dense, adagrad], False)
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        groups = [{"params": model.lin.parameters()}, {"params": [pipe.parameter], "lr": 0.05}]
+        optimizer = torch.optim.AdamW(groups, lr=1e-2, fused=True)
+        run(model, pipe.loader(data, batch_size=4), [optimizer], True)
+        pipe.flush()
+        assert pipe.stats()["steps"] == 5  # six batches, one skipped
+        assert torch.equal(table(pipe), reference.emb.weight.detach())
+        assert torch.equal(model.lin.weight, reference.lin.weight)
+
+
+def loop_as_written(pattern: str, model, embedding, batches, optimizers, offloaded: bool) -> None:
+    """Loops that leave ``.grad`` to torch's rules: never zeroed, zeroed every other step,
+    stepped twice, zeroed in place while the embedding is frozen (the steps still count)."""
+    for k, batch in enumerate(batches):
+        if pattern == "frozen-zeroed":
+            embedding.requires_grad_(k not in (2, 3))
+        loss(model, batch, offloaded).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            if pattern == "stepped-twice":
+                optimizer.step()
+        for optimizer in optimizers:
+            if pattern == "never-zeroed" or (pattern == "zeroed-every-other" and k % 2 == 0):
+                continue
+            optimizer.zero_grad(set_to_none=pattern != "frozen-zeroed")
+
+
+@pytest.mark.parametrize("owner", ["thread", "process"])
+@pytest.mark.parametrize(
+    "pattern", ["never-zeroed", "zeroed-every-other", "stepped-twice", "frozen-zeroed", "maximize"]
+)
+def test_a_step_leaves_the_gradient_as_torch_does(tmp_path, pattern, owner):
+    """torch steps whatever .grad holds and leaves it there: a gradient never zeroed adds up,
+    a second step applies it again, one zeroed in place still counts a step (Adagrad's
+    lr_decay counts it) and moves no row; maximize ascends. The table, bit for bit."""
+    data, rows = samples(24), dict(ADAGRAD, lr_decay=0.5)
+    maximize = pattern == "maximize"
+    reference = Toy()
+    dense = torch.optim.AdamW(reference.lin.parameters(), lr=1e-2, maximize=maximize)
+    adagrad = torch.optim.Adagrad([reference.emb.weight], **rows, maximize=maximize)
+    batches = torch.utils.data.DataLoader(data, batch_size=4)
+    loop_as_written(pattern, reference, reference.emb.weight, batches, [dense, adagrad], False)
+    model = Toy()
+    table_ = embedpipe.hf.offload(model, tmp_path / "t.zarr", chunk_rows=16)
+    row_optimizer = embedpipe.optim.Adagrad(**rows)
+    with embedpipe.EmbeddingPipe(
+        table_, cache_rows=20, optimizer=row_optimizer, owner=owner
+    ) as pipe:
+        groups = [{"params": model.lin.parameters()}, {"params": [pipe.parameter], "lr": 0.05}]
+        optimizer = torch.optim.AdamW(groups, lr=1e-2, maximize=maximize)
+        batches = pipe.loader(data, batch_size=4)
+        loop_as_written(pattern, model, pipe.parameter, batches, [optimizer], True)
         assert torch.equal(table(pipe), reference.emb.weight.detach())
         assert torch.equal(model.lin.weight, reference.lin.weight)
 
