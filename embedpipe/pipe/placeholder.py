@@ -84,6 +84,7 @@ def finish_embeds(
         trains = pipe.optimizer is not None
         if trains:  # its table holds their rows (a module made after it too)
             check_same_table(modules[0], pipe.table)  # (a frozen pipe: any table, attached)
+            _check_padding(modules[0], pipe)
             for module in modules:
                 read_through(module, pipe)
                 if module.table_id is None:  # built by hand (a resume): its rows are this table's
@@ -124,6 +125,20 @@ def finish_embeds(
             "delete the models not in use"
         )
     return modules[0].finish(embeds, recorded, ids, in_model=in_model)
+
+
+def _check_padding(module: OffloadedEmbedding, pipe: Any) -> None:
+    """Raise if the row ``module``'s embedding pads with (``nn.Embedding`` gives it no gradient)
+    is not the one ``pipe`` leaves out of the table's gradient. A placeholder built by hand
+    with none takes the pipe's."""
+    mine = module.padding_idx
+    if (mine is not None or module._template is not None) and mine != pipe.padding_idx:
+        raise EmbeddingsOffloadedError(
+            f"the model's word embedding pads with row {mine} (nn.Embedding gives it no "
+            f"gradient) and the pipe training {pipe.table.path} with {pipe.padding_idx} (the "
+            "padding_idx the table records, or the pipe's padding_idx=): make the pipe with "
+            f"padding_idx={mine}"
+        )
 
 
 def _restored_in_training(module: OffloadedEmbedding) -> bool:

@@ -75,8 +75,10 @@ def scale_of(module: nn.Module) -> float | torch.Tensor | None:
     synthetic = values.reshape(n, -1).to(weight.dtype)
     ids = torch.arange(n, device=weight.device)[None]
     rows = F.embedding(ids, synthetic)
-    mode = module.training
+    mode, padding_idx = module.training, getattr(module, "padding_idx", None)
     try:
+        if isinstance(padding_idx, int) and padding_idx >= n:  # a row past the synthetic ones:
+            module.padding_idx = None  # only the backward reads it (F.embedding checks it)
         # fork_rng: a module that draws (dropout) leaves the program's draws as they were
         # the module's own computation: its hooks run on the pipe's rows (callhooks.py)
         with (
@@ -96,6 +98,8 @@ def scale_of(module: nn.Module) -> float | torch.Tensor | None:
         ) from e
     finally:
         module.train(mode)
+        if padding_idx is not None:
+            module.padding_idx = padding_idx
     for candidate in (None, scale) if scale is not None else (None,):
         expected = rows if candidate is None else scaled(rows, candidate)
         if all(isinstance(o, torch.Tensor) and same(o, expected) for o in outputs):

@@ -363,6 +363,57 @@ def test_offloading_again_over_the_same_path_trains_the_new_model(tmp_path):
         embedpipe.hf.restore(first, tmp_path / "t.zarr")
 
 
+class Padded(Toy):
+    def __init__(self, padding_idx) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(V, D, padding_idx=padding_idx)
+
+
+@pytest.mark.parametrize("padding_idx", [3, V - 1, -1])
+def test_a_padding_row_past_the_first_rows_trains_as_nn_embeddings(tmp_path, padding_idx):
+    """An embedding padding with a late row (the last, as many LLM vocabularies do; -1 is the
+    last) is offloaded, and its padding row gets no gradient, as nn.Embedding's."""
+    data = samples(16)
+    for sample in data:
+        sample["input_ids"][-2:] = padding_idx % V
+    reference = Padded(padding_idx)
+    dense, adagrad = reference_optimizer(reference)
+    for batch in torch.utils.data.DataLoader(data, batch_size=4):
+        loss(reference, batch, False).backward()
+        step_both(dense, adagrad)
+    model = Padded(padding_idx)
+    with offloaded(tmp_path, model) as pipe:
+        assert pipe.padding_idx == padding_idx % V
+        optimizer = one_optimizer(model, pipe)
+        for batch in pipe.loader(data, batch_size=4):
+            loss(model, batch, True).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert torch.equal(table(pipe), reference.emb.weight.detach())
+
+
+@pytest.mark.parametrize("case", ["pipe without", "model without"])
+def test_a_pipe_and_a_model_padding_with_other_rows_raise(tmp_path, case):
+    """The pipe's padding_idx (the table's record) and the model's embedding's must agree: a
+    pipe made with padding_idx=None for a model padding with row 0, or a table recording row 0
+    (an import of a folder whose config names a pad token) for a model whose embedding has none
+    (T5's), would train another row than nn.Embedding, silently."""
+    model = Padded(0 if case == "pipe without" else None)
+    path = str(tmp_path / "t.zarr")
+    embedpipe.hf.offload(model, path, chunk_rows=16).close()
+    if case == "model without":
+        with embedpipe.Table.open(path, "r+") as opened:
+            opened.update_metadata(padding_idx=0)
+            opened.checkpoint()
+    padding = dict(padding_idx=None) if case == "pipe without" else {}
+    optimizer = embedpipe.optim.Adagrad(**ADAGRAD)
+    with embedpipe.EmbeddingPipe(path, cache_rows=20, optimizer=optimizer, **padding) as pipe:
+        batch = next(iter(pipe.loader(samples(4), batch_size=4)))
+        with pytest.raises(embedpipe.errors.EmbeddingsOffloadedError, match="padding_idx="):
+            loss(model, batch, True)
+
+
 def test_a_model_rebuilt_on_its_table_is_checked_against_a_table_made_anew(tmp_path):
     """A model rebuilt to resume (its placeholder built by hand, ``replacing``) takes the id of
     the table the pipe that trains it reads; one made anew at that path later holds no rows of
