@@ -31,6 +31,13 @@ with the program: its stdout and stderr are /dev/null, every file it inherited i
 an offset of its own (a dataset that seeks a file it opened before would otherwise move the
 parent's offset), every socket and pipe is /dev/null (it cannot take the parent's data), no
 signal handler of the program runs in it and no garbage from before the fork is collected in it.
+It may only read (:func:`_read_only`): every shared mapping it inherited is made read-only (a
+dataset that counts in a ``multiprocessing.Value``, takes a ``multiprocessing.Lock`` or caches
+samples in a tensor moved to shared memory would otherwise change what the program's own reads
+see, or die holding the lock), and where the kernel has Landlock (Linux 5.13 and later) no file
+can be opened for writing, made or removed (a dataset that caches samples on disk). A dataset
+that writes makes the child fault or fail: the foresight stops, with a warning, and the loop
+goes on exactly as without it.
 It ends once it has sent the epoch's last batch, when its credits pipe closes, or when its parent
 is gone (``PR_SET_PDEATHSIG``, and a look at its parent every second), and leaves with ``os._exit``: no exit hook of the training process
 runs in it.
@@ -44,6 +51,7 @@ import fcntl
 import gc
 import os
 import random
+import resource
 import select
 import signal
 import stat
@@ -230,6 +238,43 @@ def _leave_the_program(parent: int, keep: tuple[int, ...]) -> None:
                 signal.signal(number, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent ends the child
     _own_descriptors(keep)
+    _read_only()
+
+
+#: mprotect's protection for read-only memory.
+_PROT_READ = 1
+_PR_SET_NO_NEW_PRIVS = 38
+#: landlock_create_ruleset, landlock_restrict_self: the same numbers on every architecture.
+_LANDLOCK_CREATE_RULESET, _LANDLOCK_RESTRICT_SELF = 444, 446
+#: Landlock's file-system rights that write: a file opened for writing, every kind of file
+#: made, a file or folder removed (ABI 1), linked or renamed across folders (2), truncated (3).
+_LANDLOCK_WRITES = {1: 0b1_1111_1111_0010, 2: 0b11_1111_1111_0010, 3: 0b111_1111_1111_0010}
+
+
+def _read_only() -> None:
+    """Let the child write to no memory and no file the program could see (NOTE [ Foresight
+    without side effects ]): each shared writable mapping becomes read-only, and with Landlock
+    no file opens for writing, is made or is removed. A fault then ends the child: no core."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.syscall.restype = ctypes.c_long
+    with open("/proc/self/maps") as maps:
+        spans = [line.split()[:2] for line in maps]
+    for span, perms in spans:
+        if perms[1] == "w" and perms[3] == "s":
+            start, end = (int(x, 16) for x in span.split("-"))
+            libc.mprotect(start, end - start, _PROT_READ)
+    abi = libc.syscall(_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    if abi < 1 or libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        return  # no Landlock here: shared memory is read-only, files are not
+    handled = ctypes.c_uint64(_LANDLOCK_WRITES[min(abi, 3)])  # rights no rule grants: denied
+    ruleset = libc.syscall(
+        _LANDLOCK_CREATE_RULESET, ctypes.byref(handled), ctypes.c_size_t(8), ctypes.c_uint32(0)
+    )
+    if ruleset >= 0:
+        libc.syscall(_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0))
+        os.close(ruleset)
 
 
 def _own_descriptors(keep: tuple[int, ...]) -> None:
@@ -324,7 +369,8 @@ def _why(error: BaseException | None) -> str:
     return (
         f"the process that reads the batches' ids ahead (a fork of the training process) {told}; "
         "a dataset that cannot run in a forked child (one holding a CUDA context, a socket or "
-        "a pipe) fails there"
+        "a pipe) fails there, and so does one that writes: the child may only read (a file, "
+        "shared memory, a multiprocessing lock)"
     )
 
 

@@ -16,6 +16,7 @@ import embedpipe
 from embedpipe.cache.policy import NEVER, Lookahead, make_policy
 from embedpipe.cache.rowcache import RowCache
 from embedpipe.cache.sharedrows import SharedRows
+from embedpipe.owner import foresee
 from embedpipe.owner.lookahead import Ahead
 from embedpipe.tools import simulate
 
@@ -565,6 +566,64 @@ def test_the_foresight_child_shares_no_file_offset_with_the_dataset(tmp_path):
     dataset.file.close()
 
 
+class WritesWhatItReads(torch.utils.data.Dataset):
+    """A dataset with side effects people write: each first read of a sample draws its masking
+    and keeps it (in a tensor moved to shared memory, or in a file), and counts its reads in
+    shared memory: its workers and its later epochs see the same masks, and the count."""
+
+    def __init__(self, tokens: np.ndarray, kind: str, folder) -> None:
+        self.tokens, self.kind, self.folder = tokens, kind, folder
+        self.kept = torch.full(tokens.shape, -1, dtype=torch.int64).share_memory_()
+        self.reads = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self.lock = torch.multiprocessing.Lock()
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        with self.lock:
+            self.reads += 1
+        file = self.folder / f"{i}.npy"
+        if self.kind == "file" and file.exists():
+            return {"input_ids": torch.from_numpy(np.load(file))}
+        if self.kind == "memory" and self.kept[i, 0] >= 0:
+            return {"input_ids": self.kept[i].clone()}
+        ids = torch.from_numpy(self.tokens[i].copy())
+        ids[torch.rand(len(ids)) < 0.3] = 1  # the mask, drawn once
+        if self.kind == "file":
+            np.save(file, ids.numpy())
+        else:
+            self.kept[i] = ids
+        return {"input_ids": ids}
+
+
+@pytest.mark.filterwarnings("ignore:embedpipe's lookahead policy stopped looking ahead")
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_the_foresight_child_writes_nothing_the_dataset_keeps(tmp_path, kind):
+    """The child may only read: a dataset that writes what it draws (in shared memory, in a
+    file) or counts its reads under a lock cannot let the child's reads change the program's;
+    it stops the foresight instead. The batches are those of a plain DataLoader."""
+    tokens = np.random.default_rng(4).integers(2, 2000, size=(64, 16)).astype(np.int64)
+    embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
+
+    def batches(make_loader, folder) -> list[torch.Tensor]:
+        folder.mkdir()
+        torch.manual_seed(0)
+        dataset = WritesWhatItReads(tokens, kind, folder)
+        seen = []
+        for _ in range(2):
+            for batch in make_loader(dataset, batch_size=4, shuffle=True):
+                seen.append(batch["input_ids"].clone())
+                time.sleep(0.005)  # a model's step: the child reads ahead meanwhile
+        assert int(dataset.reads) == 2 * len(tokens)  # the loop's own reads, no more
+        return seen
+
+    expected = batches(torch.utils.data.DataLoader, tmp_path / "plain")
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=100) as pipe:
+        got = batches(pipe.loader, tmp_path / "piped")
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
 class RandomIndices(torch.utils.data.Sampler):
     """Draws each index from ``random`` as the DataLoader asks for it (CPython reseeds
     ``random`` in a forked child: the child must get the parent's state back)."""
@@ -623,7 +682,9 @@ class SumsABigTensor(torch.utils.data.Dataset):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("owner", ["thread", "process"])
-def test_a_training_process_with_a_running_thread_pool_forks_its_foresight_safely(tmp_path, owner):
+def test_a_training_process_with_a_running_thread_pool_forks_its_foresight_safely(
+    tmp_path, owner, monkeypatch
+):
     """The suite runs torch on one thread (conftest.py); a program runs it on many, and a child
     forked while torch's OpenMP pool runs hangs at its first parallel op unless it drops to one
     thread first (foresee.py, as DataLoader workers do). Here the pool runs (2 threads) and the
@@ -631,6 +692,7 @@ def test_a_training_process_with_a_running_thread_pool_forks_its_foresight_safel
     child that hangs leaves the loop without foresight, silently), and the table trains as
     without foresight (allclose: with 2 threads torch's own arithmetic may vary)."""
     tokens = np.minimum(np.random.default_rng(4).zipf(1.2, (64, 8)), 299).astype(np.int64)
+    monkeypatch.setattr(foresee, "_read_only", lambda: None)  # the child writes its calls
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
