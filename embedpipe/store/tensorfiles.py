@@ -63,6 +63,11 @@ class TensorRows:
                 f"{origin}: tensor {key!r} has shape {list(shape)}; an embedding table is 2-D "
                 "[num_rows, dim]: pick another with --key"
             )
+        if not dtype.is_floating_point:
+            raise SourceFormatError(
+                f"{origin}: tensor {key!r} is {str(dtype).removeprefix('torch.')}, not floating "
+                "point: an embedding table holds floats; pick another with --key"
+            )
         if cast is None and dtype not in _TORCH_TO_NUMPY:
             raise SourceFormatError(
                 f"{origin}: tensor {key!r} is {str(dtype).removeprefix('torch.')}, which a table "
@@ -76,7 +81,14 @@ class TensorRows:
     def __getitem__(self, rows: slice) -> np.ndarray:
         start, stop, _ = rows.indices(self.shape[0])
         block = self._read(start, stop)
-        return block.to(getattr(torch, self.dtype.name)).numpy()
+        out = block.to(getattr(torch, self.dtype.name))
+        narrower = torch.finfo(out.dtype).max < torch.finfo(block.dtype).max
+        if narrower and not bool(out.isfinite().all()) and bool(block.isfinite().all()):
+            raise ValueError(
+                f"{self.key!r}: rows {start}-{stop} hold values beyond {self.dtype.name}'s "
+                f"range ({torch.finfo(out.dtype).max:g}): import them as float32"
+            )
+        return out.numpy()
 
 
 def open_source(
@@ -187,6 +199,11 @@ def _open_state_dict(path: Path, key: str | None, dtype: str | None) -> TensorRo
         )
     name = _choose_key(list(tensors), key, str(path))
     tensor = tensors[name]
+    if tensor.layout != torch.strided:
+        raise SourceFormatError(
+            f"{path}: tensor {name!r} is {str(tensor.layout).removeprefix('torch.')}, not dense: "
+            "save its .to_dense() (an embedding table holds every row)"
+        )
     return TensorRows(
         name, tuple(tensor.shape), tensor.dtype, lambda a, b: tensor[a:b], dtype, str(path)
     )

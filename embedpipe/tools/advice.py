@@ -171,3 +171,13 @@ def matplotlib() -> tuple[Any, Any]:
             "drawing the miss-ratio curve needs matplotlib: pip install 'embedpipe[plot]'"
         ) from None
     return figure, ticker
+
+
+def check_outputs(png: str | None, json_path: str | None) -> None:
+    """Fail now, not after the simulation: matplotlib missing, or a file to write in a folder
+    that does not exist."""
+    if png:
+        matplotlib()
+    for path in (png, json_path):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ValueError(f"cannot write {path}: the folder it names does not exist")

@@ -30,10 +30,11 @@ from . import simulate
 from .convert import DTYPES, convert
 from .converted import ConvertedShard
 
-#: Exceptions that mean "the input (or the disk) was wrong", reported in one line without a
-#: traceback. OSError covers missing, existing and unwritable files, and a full disk;
-#: ImportError an optional extra that is not installed (the message names it).
-USER_ERRORS = (EmbedpipeError, OSError, ValueError, KeyError, ImportError)
+#: Exceptions that mean "the input (or the disk) was wrong", reported in one line: OSError for
+#: missing, existing and unwritable files, and a full disk; ImportError for an optional extra not
+#: installed (the message names it); ArithmeticError, MemoryError for a size too large.
+USER_ERRORS = (EmbedpipeError, OSError, ValueError, KeyError, ImportError,
+               ArithmeticError, MemoryError)  # fmt: skip
 #: Optimizer state arrays per table row (embedpipe.optim), for the memory a pipe costs.
 STATE_ARRAYS = {
     "sgd": 0,
@@ -136,8 +137,7 @@ def cmd_advise(args: argparse.Namespace) -> None:
     memory = budget.parse_bytes(args.memory) if args.memory else budget.available_memory()
     if memory is None:
         raise ValueError("cannot tell how much memory this machine has; pass --memory (as 512MB)")
-    if args.png:
-        advising.matplotlib()  # a missing matplotlib fails now, not after the simulation
+    advising.check_outputs(args.png, args.json)  # now, not after the simulation
     ids = advising.load_trace(args.trace, num_rows)
     sets = simulate.batch_sets(ids, args.batch_size)
     sizes = [parse_cache_size(text, num_rows) for text in args.sizes] if args.sizes else None
@@ -238,7 +238,7 @@ def parse_cache_size(text: str, num_rows: int) -> int:
     try:
         share = text.endswith("%")
         value = round(float(text[:-1]) / 100 * num_rows) if share else int(text)
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, or inf
         value = -1
     if value < 0:
         raise ValueError(

@@ -82,11 +82,15 @@ def test_demo_runs(capsys):
             ["import", "{tmp}/w.npy", "{tmp}/u.zarr", "--chunk-rows", "0"],
             "chunk_rows must be a positive integer, got 0",
         ),
+        ("big", ["import", "{tmp}/big.npy", "{tmp}/t.zarr", "--dtype", "float16"], "beyond"),
+        (None, ["demo", "--rows", "3", "--dim", "100000000000000"], "Unable to allocate"),
     ],
 )
 def test_bad_input_exits_nonzero_with_one_line(tmp_path, make, args, message):
     if make == "csv":
         (tmp_path / "w.csv").write_text("1,2")
+    if make == "big":  # past float16's 65504
+        np.save(tmp_path / "big.npy", np.full((4, 2), 1e5, np.float32))
     if make in ("npy", "table"):
         np.save(tmp_path / "w.npy", np.zeros((4, 2), np.float32))
     if make == "table":
@@ -139,6 +143,9 @@ def _bad_files(tmp: Path) -> None:
     (tmp / "folder.npy").mkdir()
     zarr.open_group(tmp / "group.zarr", mode="w")
     zarr.create_array(tmp / "array.zarr", shape=(3,), dtype="float32")
+    torch.save({"w": torch.ones(10, 4).to_sparse()}, tmp / "sparse.pt")
+    torch.save({"w": torch.ones(10, 4, dtype=torch.int32)}, tmp / "ints.pt")
+    np.save(tmp / "ids.npy", np.arange(32).reshape(4, 8))
     embedpipe.import_table(tmp / "w.npy", tmp / "t.zarr").close()
 
 
@@ -271,6 +278,28 @@ def _one_line_error(capsys, args: list[str], path: str) -> str:
             ["w.npy is a file", "pick another destination"],
         ),
         (["info", "nothing.zarr"], "nothing.zarr", ["no table at", "`embedpipe import`"]),
+        (["import", "sparse.pt", "x.zarr", "--key", "w"], "sparse.pt", ["not dense"]),
+        (["import", "ints.pt", "x.zarr", "--key", "w"], "ints.pt", ["not floating point"]),
+        (
+            ["advise", "--num-rows", "100", "--dim", "4", "--trace", "ids.npy", "--sizes", "inf%"],
+            "inf%",
+            ["cannot read"],
+        ),
+        (
+            [
+                "advise",
+                "--num-rows",
+                "100",
+                "--dim",
+                "4",
+                "--trace",
+                "w.npy",
+                "--json",
+                "no/a.json",
+            ],
+            "no/a.json",
+            ["does not exist"],
+        ),
     ],
     ids=[
         "corrupt-pt-random-bytes",
@@ -303,6 +332,10 @@ def _one_line_error(capsys, args: list[str], path: str) -> str:
         "import-onto-existing-table",
         "import-under-a-file",
         "info-missing-path",
+        "import-sparse-tensor",
+        "import-int-tensor",
+        "advise-infinite-size",
+        "advise-json-in-no-folder",
     ],
 )
 def test_bad_input_is_one_line_naming_the_path(

@@ -155,6 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the sections ``--skip`` leaves; markdown on stdout, ``--json`` every figure."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise ValueError(f"cannot write {args.json}: the folder it names does not exist")
     if args.quick:
         apply_quick(args, SECTIONS)
     started = time.perf_counter()
