@@ -213,6 +213,12 @@ class TableGradient:
                 stacklevel=4,
             )
 
+    def replace(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """Hold ``grad`` (U, D) of the rows ``ids`` in place of the pending gradient (the ranks'
+        average of it: NOTE [ The gradient averaged as DDP averages .grad ] in ranks/ddp.py)."""
+        self._taken = self._hidden = None
+        self._hold(ids, grad)
+
     def _hold(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
         param = self.parameter
         param.grad = None

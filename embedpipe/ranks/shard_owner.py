@@ -29,6 +29,7 @@ from ..owner.owner import Owner
 from ..store.checkpoints import Checkpoint
 from ..store.table import Table
 from ..worker.batch import EmbeddedBatch
+from .ddp import SyncedGradient
 from .shards import CLOSE, COMMIT, FLUSH, LOAD, Shards
 
 
@@ -38,6 +39,7 @@ class ShardOwner(Owner):
     def __init__(self, shards: Shards, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.shards = shards
+        self._synced: SyncedGradient | None = None  # (made at the first backward)
         self.owned = shards.owned
         #: (steps submitted, generation) when every rank last wrote its rows to the files.
         self.written = (self.writeback.submitted, self.generation)
@@ -74,11 +76,17 @@ class ShardOwner(Owner):
         return rows
 
     def _add_gradient(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
-        """Every rank's gradient, averaged as DDP does: the same pending gradient everywhere."""
-        union, total = self.shards.gradient(
-            self.writeback.submitted, self.generation, unique_ids, grad
+        """Every rank's gradient, averaged as DDP averages .grad (NOTE [ The gradient averaged
+        as DDP averages .grad ] in ``ddp.py``): the same pending gradient everywhere."""
+        if self._synced is None:
+            self._synced = SyncedGradient(self.gradient)
+        self._synced.add(
+            unique_ids,
+            grad,
+            lambda ids, rows: self.shards.gradient(
+                self.writeback.submitted, self.generation, ids, rows
+            ),
         )
-        super()._add_gradient(union, total)
 
     def stats(self) -> dict[str, int]:
         return {**super().stats(), **self.shards.bytes}  # this rank's exchanges' bytes

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from ..errors import DistributedNotSupportedError
+from ..ranks.ddp import SyncedGradient
 from ..ranks.machine import MachineGradient
 from ..ranks.shard_owner import fetch_remote, writer_on_rank_0
 from ..ranks.shards import CLOSE, COMMIT, FLUSH, LOAD, Shards
@@ -70,6 +71,7 @@ class RankOwner(RemoteOwner):
 
     def __init__(self, shards: Shards, *args: Any, **kwargs: Any) -> None:
         self.shards = shards
+        self._synced: SyncedGradient | None = None  # (made at the first backward)
         #: Several machines, each owner process the owner of its machine's shard (NOTE [ A
         #: shard a machine ]); else one owner process for every rank, and shared gradient memory
         self.several = len(shards.machines) > 1
@@ -195,10 +197,16 @@ class RankOwner(RemoteOwner):
         return rows
 
     def _add_gradient(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
-        """Every rank's gradient, averaged as DDP does: the same pending gradient everywhere."""
+        """Every rank's gradient, averaged as DDP averages .grad (NOTE [ The gradient averaged
+        as DDP averages .grad ] in ``ranks/ddp.py``): the same pending gradient everywhere."""
         exchange = self.machine if self.machine is not None else self.shards
-        union, total = exchange.gradient(self.submitted, self.generation, unique_ids, grad)
-        super()._add_gradient(union, total)
+        if self._synced is None:
+            self._synced = SyncedGradient(self.gradient)
+        self._synced.add(
+            unique_ids,
+            grad,
+            lambda ids, rows: exchange.gradient(self.submitted, self.generation, ids, rows),
+        )
 
     def submit(self, ids: torch.Tensor, grad: torch.Tensor, lr: float | None) -> None:
         """The first rank of each machine sends the step's rows of its shard; the others count
