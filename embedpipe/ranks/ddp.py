@@ -9,8 +9,8 @@ same, so that accumulated steps are bit for bit DDP's (with two ranks; more sum 
 order, see docs/scale-out.md): a pass adds its rows to the pending gradient first; under
 ``no_sync`` that is all; a pass that syncs then averages the whole pending gradient over the
 ranks and holds the average. The DDP module is the one whose model holds ``pipe.parameter``,
-found once (a walk of the objects the garbage collector tracks) at the first backward pass; with
-none (a wrapper other than DDP), every pass syncs.
+found (a walk of the objects the garbage collector tracks) at the first backward pass, and again
+after it is gone; with none then (a wrapper other than DDP), every pass syncs.
 """
 
 from __future__ import annotations
@@ -44,10 +44,13 @@ class SyncedGradient:
         self.gradient.replace(union, total)
 
     def _module(self) -> DistributedDataParallel | None:
-        if self._ddp is None:
-            found = _wrapping(self.gradient.parameter)
-            self._ddp = (lambda: None) if found is None else weakref.ref(found)
-        return self._ddp()
+        """The DDP module, found at the first pass (and again if it is gone: a model wrapped
+        anew); None if there was none then."""
+        ddp = None if self._ddp is None else self._ddp()
+        if ddp is None and (self._ddp is None or isinstance(self._ddp, weakref.ref)):
+            ddp = _wrapping(self.gradient.parameter)
+            self._ddp = (lambda: None) if ddp is None else weakref.ref(ddp)
+        return ddp
 
 
 def _wrapping(parameter: torch.nn.Parameter) -> DistributedDataParallel | None:
