@@ -13,21 +13,23 @@ offloaded table gets the same by holding its pending gradient in :attr:`TableGra
 The parameter sits in the model where the ``nn.Embedding`` was (``embedpipe.hf.offload``), so
 ``model.parameters()`` yields it in the embedding's place and a global norm sums it in the same
 order. The step is taken in torch's global optimizer step pre-hook, before the optimizer reads
-any ``.grad``, when the optimizer holds the parameter (NOTE [ A step leaves .grad as torch does ]
+any ``.grad``, when the optimizer holds the parameter (NOTE [ Which optimizer steps the table ]):
+a copy of the gradient is queued as one table step, with the learning rate of the parameter
+group that holds it, and ``.grad`` is hidden from the optimizer while it steps (NOTE [ A step
+leaves .grad as torch does ]). A ``step(closure)`` (Lightning) computes the gradient inside the
+step, after clipping: then the step is taken when the closure returns.
+
+NOTE [ A step leaves .grad as torch does ]
 torch steps every parameter whose ``.grad`` is not None, and leaves ``.grad`` as it was: a loop
 that never zeroes it adds the next batch to it, a second ``step()`` applies it again, and one
 zeroed in place (``zero_grad(set_to_none=False)``, a frozen table's) still counts a step
 (Adagrad's ``lr_decay`` and Adam's bias correction count it) and moves nothing. The table's
 step does the same: it takes a copy of ``.grad`` (lazy: made when either is first written), hides
-``.grad`` from the optimizer while it steps (its update would write the stand-in parameter), and
-puts it back in the post-step hook. A zeroed gradient is a step of no rows. What the fused
-kernels do with ``GradScaler`` (``grad_scale``: divide, leaving ``.grad`` unscaled;
-``found_inf``: skip the step) the table's step does too.
-
-NOTE [ Which optimizer steps the table ]):
-the gradient is taken off the parameter (``.grad = None``, so AdamW and friends skip it) and
-queued as one table step, with the learning rate of the parameter group that holds it. A ``step(closure)`` (Lightning) computes the gradient inside the step, after clipping: then
-the step is taken when the closure returns.
+``.grad`` from the optimizer while it steps (AdamW and friends skip a parameter without one; its
+update would write the stand-in parameter, and its state would hold the batch's rows), and puts
+it back in the post-step hook. A zeroed gradient is a step of no rows. What the fused kernels do
+with ``GradScaler`` (``grad_scale``: divide, leaving ``.grad`` unscaled; ``found_inf``: skip the
+step, ``.grad`` hidden all the same) the table's step does too.
 
 NOTE [ The table's learning rate ]
 The row optimizer's ``lr`` is the table's learning rate, and a schedule reaches it through the
@@ -40,8 +42,8 @@ group that holds the parameter:
   times the group's rate relative to the rate it was built with, ``group["lr"] / built``.
   ``built`` is the group's ``initial_lr`` where a scheduler set one; otherwise the group's rate
   when embedpipe first saw the optimizer: when the pipe was made, at the pipe's first batch, or
-  at the optimizer's first step, whichever came first (at that step, a rate other than the
-  optimizer's built ``defaults['lr']`` raises: a warmup may have begun), kept in the group as
+  at the optimizer's first step, whichever came first (there, a rate other than the optimizer's
+  default ``defaults['lr']`` is warned about: a warmup may have begun), kept in the group as
   ``group["embedpipe_built_lr"]`` so that it travels with ``optimizer.state_dict()`` (a resumed
   run restores it). So a hand-written warmup (which sets the rate inside the loop, after the
   batch is drawn), ``ReduceLROnPlateau`` and a rate changed by hand scale the table as they
@@ -128,7 +130,7 @@ class TableGradient:
         #: the gradient an optimizer's step took, hidden from it while it steps: (.grad, its
         #: version once back); it steps again at the next step unless changed or dropped
         self._taken: tuple[torch.Tensor, int] | None = None
-        self._hidden: torch.Tensor | None = None
+        self._hidden: tuple[torch.Tensor, bool] | None = None
         self._value_hook: Any = None
         self.trains()
         self.clear()  # an adopted parameter may hold what an earlier pipe left
@@ -274,7 +276,8 @@ class TableGradient:
                 "pipe.parameter out of this optimizer and step the table with pipe.step()"
             )
         if _found_inf(optimizer):  # GradScaler, and an optimizer that unscales itself (fused)
-            return None  # it skips this step: the gradient stays, as torch's does
+            self._hide(taken=False)  # it skips this step: the gradient stays, as torch's does
+            return None
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if closure is None:
             self._step_by(optimizer, group)
@@ -303,29 +306,39 @@ class TableGradient:
         grad = self.parameter.grad
         if grad is None or self.ids is None:
             return  # torch skips a parameter with no .grad
+        live = self._live()
         scale = getattr(optimizer, "grad_scale", None)  # GradScaler, and a fused optimizer
-        if scale is not None and self._live():
+        if scale is not None and live:
             grad.div_(scale.to(grad.device))  # as its kernel does, leaving .grad unscaled
             self._version = grad._version
         lr = self._group_lr(optimizer, group)
-        ids = self.ids if self._live() else self.ids[:0]  # zeroed in place: no row moves,
-        # but the step counts (Adam's and Adagrad's lr_decay step), as torch's does
-        # (the step's own copy: .grad stays the user's to change; lazy, copied at a write)
-        taken = -grad[: len(ids)] if group.get("maximize") else _lazy_clone(grad[: len(ids)])
+        # zeroed in place: no row moves, but the step counts (Adam's, Adagrad's lr_decay)
+        ids, rows = (self.ids, grad) if live else (self.ids[:0], grad[:0])
+        # the step's own copy: .grad stays the user's to change (lazy: copied at a write)
+        taken = -rows if group.get("maximize") else _lazy_clone(rows)
         self.check(ids, taken)  # a refused step leaves the gradient pending
         self._passed_over = False
         self.backwards = 0
-        self._hidden = grad
-        self.parameter.grad = None  # the optimizer skips it; back after its step
+        self._hide(taken=True)
         self.on_step(ids, taken, lr)
         self.steps += 1
 
+    def _hide(self, taken: bool) -> None:
+        """Hide ``.grad`` from the optimizer stepping now (it skips a parameter without one);
+        the post-step hook puts it back, ``taken`` by this step or still pending."""
+        if self.parameter.grad is not None:
+            self._hidden = (self.parameter.grad, taken)
+            self.parameter.grad = None
+
     def _post_step(self) -> None:
-        """An optimizer's step ended: the gradient it took is ``.grad`` again."""
-        grad, self._hidden = self._hidden, None
-        if grad is not None and self.ids is not None and self.parameter.grad is None:
+        """An optimizer's step ended: the gradient it hid is ``.grad`` again. (A step that
+        raised runs no post-step hook: its gradient, taken or not, is then gone.)"""
+        hidden, self._hidden = self._hidden, None
+        if hidden is not None and self.ids is not None and self.parameter.grad is None:
+            grad, taken = hidden
             self.parameter.grad = grad
-            self._taken = (grad, grad._version)
+            if taken:
+                self._taken = (grad, grad._version)
 
     # ----------------------------------------------------------------------------- rates
     def see_optimizers(self) -> None:
@@ -423,21 +436,23 @@ def _see(group: dict[str, Any]) -> None:
 
 def _see_at_step(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
     """:func:`_see` at an optimizer's step. A shared group first seen there (its optimizer was
-    built after the pipe's first batch) at another rate than the optimizer was built with may
-    have been warmed up by hand already: its built rate is not known, so that raises."""
+    built after the pipe's first batch) at another rate than the optimizer's default may have
+    been warmed up by hand already, or built with a rate of its own: that is warned about."""
     if (
         BUILT_LR not in group
         and "initial_lr" not in group
         and len(group["params"]) > 1
         and group["lr"] != optimizer.defaults.get("lr")
     ):
-        raise RuntimeError(
+        warnings.warn(
             f"the {type(optimizer).__name__} group that holds the embedding table, first seen "
-            f"by embedpipe at this step, is at a rate of {group['lr']} and the optimizer was "
-            f"built at {optimizer.defaults.get('lr')}: the table's rate follows the group's as "
-            "a factor of the rate it was built with, which embedpipe cannot know here. Build the "
-            "optimizer before the pipe's first batch, set group['initial_lr'] to its built rate "
-            "(as LRScheduler does), or give pipe.parameter a group of its own"
+            f"by embedpipe at this step, is at a rate of {group['lr']}, not the optimizer's "
+            f"default {optimizer.defaults.get('lr')}: the table's rate follows the group's as "
+            f"a factor of {group['lr']}, taken as the rate the group was built with. If a "
+            "warmup has changed it already, set group['initial_lr'] to the built rate (as "
+            "LRScheduler does), or build the optimizer before the pipe's first batch",
+            RuntimeWarning,
+            stacklevel=4,
         )
     _see(group)
 
