@@ -132,6 +132,8 @@ def _check_padding(module: OffloadedEmbedding, pipe: Any) -> None:
     is not the one ``pipe`` leaves out of the table's gradient. A placeholder built by hand
     with none takes the pipe's."""
     mine = module.padding_idx
+    if mine is not None and mine < 0:  # counted from the end, as nn.Embedding takes it
+        mine += pipe.table.num_rows
     if (mine is not None or module._template is not None) and mine != pipe.padding_idx:
         raise EmbeddingsOffloadedError(
             f"the model's word embedding pads with row {mine} (nn.Embedding gives it no "

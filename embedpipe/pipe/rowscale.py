@@ -77,8 +77,8 @@ def scale_of(module: nn.Module) -> float | torch.Tensor | None:
     rows = F.embedding(ids, synthetic)
     mode, padding_idx = module.training, getattr(module, "padding_idx", None)
     try:
-        if isinstance(padding_idx, int) and padding_idx >= n:  # a row past the synthetic ones:
-            module.padding_idx = None  # only the backward reads it (F.embedding checks it)
+        if isinstance(padding_idx, int) and padding_idx >= n:  # past the synthetic rows, which
+            module.padding_idx = n - 1  # F.embedding checks: the last stands for it in the probe
         # fork_rng: a module that draws (dropout) leaves the program's draws as they were
         # the module's own computation: its hooks run on the pipe's rows (callhooks.py)
         with (
