@@ -251,6 +251,13 @@ _LANDLOCK_CREATE_RULESET, _LANDLOCK_RESTRICT_SELF = 444, 446
 _LANDLOCK_WRITES = {1: 0b1_1111_1111_0010, 2: 0b11_1111_1111_0010, 3: 0b111_1111_1111_0010}
 
 
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version; 0 or less where there is none."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return int(libc.syscall(_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1)))
+
+
 def _read_only() -> None:
     """Let the child write to no memory and no file the program could see (NOTE [ Foresight
     without side effects ]): each shared writable mapping becomes read-only, and with Landlock
@@ -265,7 +272,7 @@ def _read_only() -> None:
         if perms[1] == "w" and perms[3] == "s":
             start, end = (int(x, 16) for x in span.split("-"))
             libc.mprotect(start, end - start, _PROT_READ)
-    abi = libc.syscall(_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    abi = landlock_abi()
     if abi < 1 or libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         return  # no Landlock here: shared memory is read-only, files are not
     handled = ctypes.c_uint64(_LANDLOCK_WRITES[min(abi, 3)])  # rights no rule grants: denied

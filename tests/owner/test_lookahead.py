@@ -581,8 +581,9 @@ class WritesWhatItReads(torch.utils.data.Dataset):
         return len(self.tokens)
 
     def __getitem__(self, i: int) -> dict:
-        with self.lock:
-            self.reads += 1
+        if self.kind == "memory":
+            with self.lock:
+                self.reads += 1
         file = self.folder / f"{i}.npy"
         if self.kind == "file" and file.exists():
             return {"input_ids": torch.from_numpy(np.load(file))}
@@ -600,9 +601,11 @@ class WritesWhatItReads(torch.utils.data.Dataset):
 @pytest.mark.filterwarnings("ignore:embedpipe's lookahead policy stopped looking ahead")
 @pytest.mark.parametrize("kind", ["memory", "file"])
 def test_the_foresight_child_writes_nothing_the_dataset_keeps(tmp_path, kind):
-    """The child may only read: a dataset that writes what it draws (in shared memory, in a
-    file) or counts its reads under a lock cannot let the child's reads change the program's;
-    it stops the foresight instead. The batches are those of a plain DataLoader."""
+    """The child may only read: a dataset that writes what it draws (in shared memory and
+    counts its reads under a lock, or in a file: Landlock) cannot let the child's reads change
+    the program's; it stops the foresight instead. The batches are those of a DataLoader."""
+    if kind == "file" and foresee.landlock_abi() < 1:
+        pytest.skip("the kernel has no Landlock: a file the child writes is not stopped")
     tokens = np.random.default_rng(4).integers(2, 2000, size=(64, 16)).astype(np.int64)
     embedpipe.Table.create(tmp_path / "t.zarr", 2000, 4).close()
 
@@ -615,7 +618,8 @@ def test_the_foresight_child_writes_nothing_the_dataset_keeps(tmp_path, kind):
             for batch in make_loader(dataset, batch_size=4, shuffle=True):
                 seen.append(batch["input_ids"].clone())
                 time.sleep(0.005)  # a model's step: the child reads ahead meanwhile
-        assert int(dataset.reads) == 2 * len(tokens)  # the loop's own reads, no more
+        if kind == "memory":
+            assert int(dataset.reads) == 2 * len(tokens)  # the loop's own reads, no more
         return seen
 
     expected = batches(torch.utils.data.DataLoader, tmp_path / "plain")
