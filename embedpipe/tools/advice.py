@@ -38,9 +38,10 @@ def load_trace(path: str | os.PathLike, num_rows: int) -> np.ndarray:
             f"trace {os.fspath(path)} does not exist; save the token ids of an epoch with "
             "numpy.save('ids.npy', ids), one sample per row"
         ) from None
-    except ValueError as e:
+    except ValueError:  # (numpy's reason speaks of pickles: not ours to suggest)
         raise ValueError(
-            f"trace {os.fspath(path)}: not a readable .npy array of token ids ({e})"
+            f"trace {os.fspath(path)}: not a .npy array of token ids; save an epoch's ids with "
+            "numpy.save('ids.npy', ids), one sample per row"
         ) from None
     if ids.ndim not in (1, 2) or ids.size == 0:
         raise ValueError(

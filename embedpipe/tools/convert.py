@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -169,6 +170,7 @@ def convert(
     reader = open_shard(shard, ids_key)
     created = False
     with Table.open(table, "r") as tbl:
+        _check_destination(out, tbl.path)
         record = _plan(tbl, reader, shard, ids_key, dtype, max_length, pad_id, batch_size)
         block = _embedding_block(full_embedding_block, tbl.dim, record["length"])
         record["full_embedding_block"] = (
@@ -423,14 +425,30 @@ def _length(longest: int, max_length: int | None) -> int:
     return max_length
 
 
+def _check_destination(out: str, table: str) -> None:
+    """Refuse, before the shard's pass, an output whose folder is a file, or inside the table."""
+    parent = os.path.dirname(out)
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise FileExistsError(f"{out}: {parent} is a file, not a folder; pick another destination")
+    if Path(os.path.realpath(table)) in Path(os.path.realpath(out)).parents:
+        raise FileExistsError(
+            f"{out} is inside the table {table}; write the conversion outside the table's folder"
+        )
+
+
 def _embedding_block(folder: Any, dim: int, length: int) -> torch.nn.Module | None:
     """The embedding block of the Hugging Face model in ``folder``, in eval mode."""
     if folder is None:
         return None
+    if not os.path.isdir(folder):  # (a name would be looked up on the Hugging Face Hub)
+        raise ShardFormatError(
+            f"--full-embedding-block {folder}: no such folder; give the folder a model was saved "
+            "to (save_pretrained)"
+        )
     from transformers import AutoModel
 
     try:
-        model = AutoModel.from_pretrained(str(folder))
+        model = AutoModel.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as e:
         raise ShardFormatError(f"--full-embedding-block {folder}: no model to load ({e})") from None
     block = getattr(model, "embeddings", None)

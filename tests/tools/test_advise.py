@@ -115,7 +115,7 @@ def test_the_table_gives_the_shape(trace, tmp_path):
         ("float", [], "must be integers, got dtype float64"),
         ("3d", [], "(samples, seq_len) or (samples,)"),
         ("big", [], "id 5000 at position"),
-        ("text", [], "not a readable .npy array"),
+        ("text", [], "not a .npy array of token ids"),
         ("ok", ["--memory", "12XB"], "cannot read '12XB' as a memory size"),
         ("ok", ["--sizes", "lots"], "cannot read 'lots' as a cache size"),
         ("ok", ["--memory", "1kB"], "cannot hold even what a pipe"),

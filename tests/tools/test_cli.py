@@ -278,6 +278,13 @@ def _one_line_error(capsys, args: list[str], path: str) -> str:
             ["w.npy is a file", "pick another destination"],
         ),
         (["info", "nothing.zarr"], "nothing.zarr", ["no table at", "`embedpipe import`"]),
+        (["convert", "t.zarr", "ids.npy", "w.npy/o.zarr"], "w.npy/o.zarr", ["is a file"]),
+        (["convert", "t.zarr", "ids.npy", "t.zarr/o.zarr"], "t.zarr/o.zarr", ["inside the table"]),
+        (
+            ["convert", "t.zarr", "ids.npy", "o.zarr", "--full-embedding-block", "nowhere"],
+            "nowhere",
+            ["no such folder"],
+        ),
         (["import", "sparse.pt", "x.zarr", "--key", "w"], "sparse.pt", ["not dense"]),
         (["import", "ints.pt", "x.zarr", "--key", "w"], "ints.pt", ["not floating point"]),
         (
@@ -332,6 +339,9 @@ def _one_line_error(capsys, args: list[str], path: str) -> str:
         "import-onto-existing-table",
         "import-under-a-file",
         "info-missing-path",
+        "convert-under-a-file",
+        "convert-inside-the-table",
+        "convert-block-not-a-folder",
         "import-sparse-tensor",
         "import-int-tensor",
         "advise-infinite-size",
