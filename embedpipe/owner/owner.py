@@ -48,7 +48,8 @@ from ..worker.looked_up import LookedUp
 from . import durability, lookahead, reads
 from .computed import Computed
 from .foresee import BatchIds, IdsReader
-from .gradient import TableGradient, refuse_non_finite, without_padding
+from .gradcheck import refuse_non_finite, without_padding
+from .gradient import TableGradient
 from .lookahead import Ahead, Stream
 from .reads import ReadAhead
 from .writeback import Writeback

@@ -15,6 +15,7 @@ uncompressed table uses plain file calls only.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -66,7 +67,7 @@ def _close_unclosed(owner: Any, description: str) -> None:
         ResourceWarning,
         stacklevel=2,
     )
-    try:
-        owner.close()
+    try:  # after an uncaught error (Ctrl-C): other ranks may never come to a close meeting
+        owner.close(raise_errors=getattr(sys, "last_value", None) is None)
     except Exception as e:  # nowhere to raise to: say it
         warnings.warn(f"closing {description} failed: {e}", RuntimeWarning, stacklevel=2)

@@ -47,7 +47,8 @@ from ..errors import OwnerDiedError
 from ..ids import as_ids, unique_inverse
 from ..optim import RowOptimizer
 from ..owner import durability
-from ..owner.gradient import TableGradient, refuse_non_finite, without_padding
+from ..owner.gradcheck import refuse_non_finite, without_padding
+from ..owner.gradient import TableGradient
 from ..owner.lookahead import LOOKAHEAD, Ahead, look_blind, start_stream
 from ..owner.owner import take_options
 from ..store.checkpoints import Checkpoint, latest
@@ -368,8 +369,7 @@ class RemoteOwner:
 
     # ----------------------------------------------------------------------------- internals
     def _committed(self, checkpoint: Any) -> Any:
-        """The owner process committed: this process's handle reads the table's metadata again
-        (its ``step``), as the owner's own handle does."""
+        """The owner process committed: this process's handle reads the table's metadata again."""
         self.table._reopen(live=True)
         return checkpoint
 
