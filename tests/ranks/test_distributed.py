@@ -283,6 +283,16 @@ def _outcome(folder, rank: int, procs: list[subprocess.Popen], limit: float) -> 
     return json.loads(path.read_text())
 
 
+def _outcomes(folder, procs: list[subprocess.Popen], ranks: list[int], limit: float) -> list:
+    """The outcomes of ``ranks``, in that order; every rank's process ended after."""
+    try:
+        return [_outcome(folder, rank, procs, limit) for rank in ranks]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 # A killed rank's connections close when its last process is gone: its DataLoader workers hold
 # the sockets they inherited until they see their parent gone (every 0.25 s: NOTE [ Workers die
 # with the training process ]; before, with their result queue full they hung for good). So a
@@ -297,12 +307,7 @@ TIMEOUTS = {"kill": 60, "hang": 6}
 def test_a_rank_that_dies_or_hangs_makes_the_other_raise_in_bounded_time(tmp_path, how):
     timeout = TIMEOUTS[how]
     procs = launch("lose", str(tmp_path), how, env={"PIPE_TIMEOUT": str(timeout)})
-    try:
-        outcome = _outcome(tmp_path, 0, procs, limit=120)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+    (outcome,) = _outcomes(tmp_path, procs, [0], limit=120)
     assert outcome["error"] == "PeerLostError", outcome
     assert "rank 0 of 2" in outcome["message"] and "last checkpoint" in outcome["message"]
     if how == "kill":  # seen by its connections, not the timeout (2 s of it the rank slept)
@@ -322,13 +327,7 @@ def test_a_rank_interrupted_closes_without_waiting_for_the_others(tmp_path, owne
     30 minutes by default), leaves without the last commit, and the other rank then raises as
     the interrupted one's connections end. The table reopens at the last checkpoint."""
     procs = launch("interrupted", str(tmp_path), owner)
-    try:
-        interrupted = _outcome(tmp_path, 1, procs, limit=100)
-        other = _outcome(tmp_path, 0, procs, limit=100)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+    interrupted, other = _outcomes(tmp_path, procs, [1, 0], limit=100)
     assert interrupted["error"] == "KeyboardInterrupt", interrupted
     assert interrupted["after"] < 2 * ERROR_CLOSE_WAIT + 10, interrupted  # not the 120 s timeout
     assert other["error"] is not None and other["after"] < 60, other
@@ -347,13 +346,7 @@ def test_a_batch_held_across_a_load_and_a_step_reads_every_shards_rows_as_they_a
 
 @pytest.mark.slow
 def test_ranks_out_of_step_raise_on_every_rank(tmp_path):
-    procs = launch("mismatch", str(tmp_path))
-    try:
-        outcomes = [_outcome(tmp_path, rank, procs, limit=120) for rank in (0, 1)]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+    outcomes = _outcomes(tmp_path, launch("mismatch", str(tmp_path)), [0, 1], limit=120)
     for outcome in outcomes:
         assert outcome["error"] == "ShardMismatchError", outcome
         assert "out of step" in outcome["message"], outcome
