@@ -390,38 +390,6 @@ def report_and_exit(folder: str, pipe: embedpipe.EmbeddingPipe, outcome: dict) -
     os._exit(0)
 
 
-def interrupted(folder: str, owner: str) -> None:
-    """Ctrl-C on rank 1 at step 3, after a checkpoint at step 2, while rank 0 waits for it in a
-    collective of the program's own (as DDP's buffer broadcast and all-reduce do, outside the
-    pipe's exchanges): rank 1's ``with`` closes the pipe with the error on its way. Each rank
-    records its error and how long after step 3 began it got out, then exits."""
-    path = os.path.join(folder, "table.zarr")
-    model = offloaded_model(path)
-    ddp = DDP(model)
-    start, outcome = time.monotonic(), {"error": None}
-    try:
-        with make_pipe(path, "sgd", owner=owner, timeout=120.0) as pipe:
-            opt = optimizer_for(model, pipe, "sgd")
-            samples = data()
-            for step, batch in enumerate(
-                pipe.loader(samples, batch_size=BATCH, sampler=sampler(samples))
-            ):
-                if step == 2:
-                    pipe.checkpoint()
-                start = time.monotonic()
-                if step == 3:
-                    if dist.get_rank() == 1:
-                        raise KeyboardInterrupt  # (Ctrl-C)
-                    dist.barrier()
-                train_step(ddp, opt, batch)
-    except BaseException as e:
-        outcome = {"error": type(e).__name__}
-    outcome["after"] = time.monotonic() - start
-    with open(os.path.join(folder, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(outcome, f)
-    os._exit(0)
-
-
 def owner_dies(folder: str) -> None:
     """Owner processes on two machines (``PIPE_OWNER=process``, a torchrun agent a machine):
     after a checkpoint at step 2, the last rank kills its machine's owner process at step 3;
@@ -932,7 +900,6 @@ if __name__ == "__main__":
     modes["two"] = two
     modes["owner_dies"] = owner_dies
     modes["held"] = held
-    modes["interrupted"] = interrupted
     modes["serve_fails"] = serve_fails
     modes[mode](folder, *args)
     dist.destroy_process_group()

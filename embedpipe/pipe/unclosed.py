@@ -15,7 +15,6 @@ uncompressed table uses plain file calls only.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import warnings
 import weakref
@@ -67,7 +66,7 @@ def _close_unclosed(owner: Any, description: str) -> None:
         ResourceWarning,
         stacklevel=2,
     )
-    try:  # after an uncaught error (Ctrl-C): other ranks may never come to a close meeting
-        owner.close(raise_errors=getattr(sys, "last_value", None) is None)
+    try:
+        owner.close()
     except Exception as e:  # nowhere to raise to: say it
         warnings.warn(f"closing {description} failed: {e}", RuntimeWarning, stacklevel=2)

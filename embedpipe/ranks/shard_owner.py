@@ -30,7 +30,7 @@ from ..store.checkpoints import Checkpoint
 from ..store.table import Table
 from ..worker.batch import EmbeddedBatch
 from .ddp import SyncedGradient
-from .shards import CLOSE, COMMIT, ERROR_CLOSE_WAIT, FLUSH, LOAD, Shards
+from .shards import CLOSE, COMMIT, FLUSH, LOAD, Shards
 
 
 class ShardOwner(Owner):
@@ -40,7 +40,6 @@ class ShardOwner(Owner):
         super().__init__(*args, **kwargs)
         self.shards = shards
         self._synced: SyncedGradient | None = None  # (made at the first backward)
-        self._erring = False
         self.owned = shards.owned
         #: (steps submitted, generation) when every rank last wrote its rows to the files.
         self.written = (self.writeback.submitted, self.generation)
@@ -183,18 +182,12 @@ class ShardOwner(Owner):
             self.table._open_root(self.table.path)
 
     # ------------------------------------------------------------------------- lifecycle
-    def close(self, raise_errors: bool = True) -> None:
-        self._erring = not raise_errors  # an error on its way: the others may never come
-        super().close(raise_errors)
-
     def _finish_close(self, error: BaseException | None, hung: bool) -> BaseException | None:
-        """One last checkpoint of every shard together, or none (a rank failed or died, or did
-        not come within ``ERROR_CLOSE_WAIT`` to a close with an error on its way: the table
-        reopens at the last checkpoint they all reached)."""
+        """One last checkpoint of every shard together, or none (a rank failed or died: the
+        table reopens at the last checkpoint they all reached)."""
         committed = False
         try:
-            within = ERROR_CLOSE_WAIT if self._erring else None
-            self.shards.begin(CLOSE, self.writeback.submitted, self.generation, within)
+            self._begin(CLOSE)
             if hung:  # every rank raises it (the others wait for this rank's rows)
                 failed = WritebackError(f"a table write hangs on {self.shards.describe()}")
                 self.shards.agree(failed, "writing its rows for a checkpoint")

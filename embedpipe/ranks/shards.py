@@ -96,10 +96,6 @@ _DOING = {
 #: exchanges (rank 0 writing a large model's checkpoint while the others wait at their next
 #: batch). A rank that dies is seen at once, whatever this is.
 DEFAULT_TIMEOUT = 1800.0
-#: How long a close with an error on its way (Ctrl-C, an exception out of the loop) waits for
-#: the other ranks to close too: they may be stuck in a collective of the model's that waits for
-#: this rank, so it leaves without the last commit rather than wait ``timeout`` for them.
-ERROR_CLOSE_WAIT = 10.0
 
 
 def process_group(group: Any = None) -> Any:
@@ -272,9 +268,7 @@ class Shards:
             )
             raise self.lost from e
 
-    def _header(
-        self, doing: int, step: int, generation: int, values: list[int], within: float | None = None
-    ) -> np.ndarray:
+    def _header(self, doing: int, step: int, generation: int, values: list[int]) -> np.ndarray:
         """Every rank's header (rank, [doing, step, generation, *values]); raises on every rank
         if they are not doing the same thing at the same step. Every header has the same size
         (values padded to one per rank), so that ranks out of step exchange headers they can
@@ -282,13 +276,7 @@ class Shards:
         padded = [*values, *[0] * (self.size - len(values))]
         mine = torch.tensor([doing, step, generation, *padded], dtype=torch.int64)
         parts = [torch.empty_like(mine) for _ in range(self.size)]
-
-        def gather() -> None:
-            work = dist.all_gather(parts, mine, group=self.group, async_op=within is not None)
-            if within is not None:
-                work.wait(timeout=datetime.timedelta(seconds=min(within, self.timeout)))
-
-        self._call(_DOING[doing], gather)
+        self._call(_DOING[doing], lambda: dist.all_gather(parts, mine, group=self.group))
         headers = torch.stack(parts).numpy()
         if (headers[:, :3] != headers[0, :3]).any():
             lines = [
@@ -452,10 +440,9 @@ class Shards:
         total[torch.from_numpy(np.argsort(owner, kind="stable"))] = out  # back in id order
         return total
 
-    def begin(self, doing: int, step: int, generation: int, within: float | None = None) -> None:
-        """The header of an exchange that moves no tensors (a checkpoint, a load, close); one
-        ``within`` seconds raises ``PeerLostError`` if the other ranks do not come by then."""
-        self._header(doing, step, generation, [], within)
+    def begin(self, doing: int, step: int, generation: int) -> None:
+        """The header of an exchange that moves no tensors (a checkpoint, a load, close)."""
+        self._header(doing, step, generation, [])
 
     def agree(self, error: BaseException | None, what: str, result: Any = None) -> Any:
         """Every rank's outcome of ``what``: raises on every rank if one failed, else returns

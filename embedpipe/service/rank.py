@@ -41,7 +41,6 @@ machines' ranks ``PeerLostError`` when those ranks' connections close.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import shutil
@@ -52,11 +51,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import DistributedNotSupportedError, PeerLostError, ShardMismatchError
+from ..errors import DistributedNotSupportedError
 from ..ranks.ddp import SyncedGradient
 from ..ranks.machine import MachineGradient
 from ..ranks.shard_owner import fetch_remote, writer_on_rank_0
-from ..ranks.shards import CLOSE, COMMIT, ERROR_CLOSE_WAIT, FLUSH, LOAD, Shards
+from ..ranks.shards import CLOSE, COMMIT, FLUSH, LOAD, Shards
 from ..store.checkpoints import Checkpoint
 from ..store.table import Table
 from ..worker.batch import EmbeddedBatch
@@ -322,10 +321,6 @@ class RankOwner(RemoteOwner):
     def close(self, raise_errors: bool = True) -> None:
         """Several machines: one last commit of every shard together first (or none: the
         owners never commit on their own), then each owner process is closed."""
-        if not self.closed and self.shards.lost is None:  # every rank closes: they meet first
-            with contextlib.suppress(PeerLostError, ShardMismatchError):  # then lost is set
-                within = None if raise_errors else ERROR_CLOSE_WAIT  # an error on its way
-                self.shards.begin(CLOSE, self.submitted, self.generation, within)
         if not self.closed and self.shards.lost is not None:
             self._leave()
             if raise_errors:
