@@ -38,6 +38,7 @@ One launch does several runs: each launch costs seconds of imports on 2 cores.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -388,6 +389,65 @@ def report_and_exit(folder: str, pipe: embedpipe.EmbeddingPipe, outcome: dict) -
     with open(os.path.join(folder, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(outcome, f)
     os._exit(0)
+
+
+def no_sync_plans(folder: str, owner: str, *plans: str) -> None:
+    """Plans of backward passes around DDP's ``no_sync``, each trained with DDP + a replicated
+    ``nn.Embedding`` + SGD and through a pipe: S a pass that syncs, N forward and backward in
+    ``no_sync``, F the forward in it and the backward outside, B the forward outside and the
+    backward in it (DDP decides at the forward), ``|`` a step. Writes each plan's table (or
+    its error) as ``FOLDER/plan-K-rankR.pt``."""
+    rank, samples = dist.get_rank(), data(16)
+
+    def passes(ddp, plan: str, batches, step) -> None:
+        for c in plan:
+            if c == "|":
+                step()
+                continue
+            batch = next(batches)
+            with ddp.no_sync() if c in "NF" else contextlib.nullcontext():
+                loss = ddp(**batch).loss
+            with ddp.no_sync() if c in "NB" else contextlib.nullcontext():
+                loss.backward()
+
+    for k, plan in enumerate(plans):
+        model = tiny_model()
+        ddp = DDP(model)
+        table = model.get_input_embeddings().weight
+        opt = torch.optim.SGD(
+            [{"params": dense_parameters(model)}, {"params": [table], "lr": 0.5}], lr=0.05
+        )
+        mine = iter(DataLoader(samples, batch_size=BATCH, sampler=sampler(samples)))
+        plain = ({k: b[k] for k in ("input_ids", "attention_mask", "labels")} for b in mine)
+        passes(ddp, plan, plain, lambda o=opt: (o.step(), o.zero_grad()))
+        reference = table.detach().clone()
+        path = os.path.join(folder, f"plan-{k}.zarr")
+        model = offloaded_model(path)
+        ddp, error = DDP(model), None
+        with make_pipe(path, "sgd", owner=owner) as pipe:
+            opt = torch.optim.SGD(
+                [{"params": dense_parameters(model)}, {"params": [pipe.parameter], "lr": 0.5}],
+                lr=0.05,
+            )
+            loader = pipe.loader(samples, batch_size=BATCH, sampler=sampler(samples))
+            batches = (
+                {
+                    **{k: b[k] for k in ("attention_mask", "labels")},
+                    "inputs_embeds": b["inputs_embeds"],
+                }
+                for b in loader
+            )
+            try:
+                passes(ddp, plan, batches, lambda o=opt: (o.step(), o.zero_grad()))
+            except embedpipe.errors.DistributedNotSupportedError as e:
+                error = str(e)
+                opt.zero_grad()
+            pipe.flush()
+            got = pipe.table.to_tensor()
+        torch.save(
+            {"reference": reference, "got": got, "error": error},
+            os.path.join(folder, f"plan-{k}-rank{rank}.pt"),
+        )
 
 
 def owner_dies(folder: str) -> None:
@@ -900,6 +960,7 @@ if __name__ == "__main__":
     modes["two"] = two
     modes["owner_dies"] = owner_dies
     modes["held"] = held
+    modes["no_sync_plans"] = no_sync_plans
     modes["serve_fails"] = serve_fails
     modes[mode](folder, *args)
     dist.destroy_process_group()

@@ -147,7 +147,7 @@ class TableGradient:
         return True
 
     # ----------------------------------------------------------------------------- backward
-    def _live(self) -> bool:
+    def live(self) -> bool:
         """``.grad`` holds a gradient: not dropped, nor zeroed in place (see :attr:`pending`)."""
         grad = self.parameter.grad
         if grad is None or self.ids is None:
@@ -166,7 +166,7 @@ class TableGradient:
         A gradient an optimizer's step took and nothing changed since is not pending, though it
         stays as ``.grad`` (NOTE [ A step leaves .grad as torch does ]).
         """
-        if not self._live():
+        if not self.live():
             return False
         return self._taken is None or self._taken[1] != self.parameter.grad._version
 
@@ -189,7 +189,7 @@ class TableGradient:
                 stacklevel=4,
             )
         self._taken = self._hidden = None  # (a taken gradient not zeroed adds up, as .grad does)
-        if not self._live() or held.shape[0] != len(self.ids):  # dropped by zero_grad: anew
+        if not self.live() or held.shape[0] != len(self.ids):  # dropped by zero_grad: anew
             self._hold(ids, grad)
         else:
             both, where = torch.unique(torch.cat([self.ids, ids]), return_inverse=True)
@@ -306,7 +306,7 @@ class TableGradient:
         grad = self.parameter.grad
         if grad is None or self.ids is None:
             return  # torch skips a parameter with no .grad
-        live = self._live()
+        live = self.live()
         scale = getattr(optimizer, "grad_scale", None)  # GradScaler, and a fused optimizer
         if scale is not None and live:
             grad.div_(scale.to(grad.device))  # as its kernel does, leaving .grad unscaled

@@ -75,6 +75,11 @@ class ShardOwner(Owner):
         self.counts["served_rows"] += len(ids)
         return rows
 
+    def check_step(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        super().check_step(ids, grad)
+        if self._synced is not None:
+            self._synced.check_step()
+
     def _add_gradient(self, unique_ids: torch.Tensor, grad: torch.Tensor) -> None:
         """Every rank's gradient, averaged as DDP averages .grad (NOTE [ The gradient averaged
         as DDP averages .grad ] in ``ddp.py``): the same pending gradient everywhere."""

@@ -319,6 +319,24 @@ def test_a_rank_that_dies_or_hangs_makes_the_other_raise_in_bounded_time(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("owner", ["thread", "process"])
+def test_no_sync_is_decided_at_the_forward_and_a_step_left_unsynced_raises(tmp_path, owner):
+    """DDP averages at the backward pass whose forward ran outside no_sync, whatever context the
+    backward runs in: the table's gradient too, bit for bit. A step after passes that were all
+    in no_sync (each rank would step its rows with its own gradient) raises."""
+    plans = ["NS|NS|", "SB|SB|", "FS|FS|", "NS|N|"]
+    torchrun("no_sync_plans", str(tmp_path), owner, *plans)
+    for k, plan in enumerate(plans):
+        for rank in (0, 1):
+            result = torch.load(tmp_path / f"plan-{k}-rank{rank}.pt")
+            if plan == "NS|N|":
+                assert "no_sync" in result["error"], plan
+            else:
+                assert result["error"] is None, (plan, result["error"])
+                assert torch.equal(result["got"], result["reference"]), plan
+
+
+@pytest.mark.slow
 def test_a_batch_held_across_a_load_and_a_step_reads_every_shards_rows_as_they_are(tmp_path):
     """Found by review: after a load the owner took every row of a held batch for changed, the
     other shards' too, and re-read them from files that lack the rows other ranks cache."""
