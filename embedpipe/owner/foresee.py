@@ -251,10 +251,16 @@ _LANDLOCK_CREATE_RULESET, _LANDLOCK_RESTRICT_SELF = 444, 446
 _LANDLOCK_WRITES = {1: 0b1_1111_1111_0010, 2: 0b11_1111_1111_0010, 3: 0b111_1111_1111_0010}
 
 
-def landlock_abi() -> int:
-    """The kernel's Landlock ABI version; 0 or less where there is none."""
+def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+def landlock_abi(libc: ctypes.CDLL | None = None) -> int:
+    """The kernel's Landlock ABI version; 0 or less where there is none."""
+    libc = libc or _libc()
     return int(libc.syscall(_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1)))
 
 
@@ -263,16 +269,14 @@ def _read_only() -> None:
     without side effects ]): each shared writable mapping becomes read-only, and with Landlock
     no file opens for writing, is made or is removed. A fault then ends the child: no core."""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.syscall.restype = ctypes.c_long
+    libc = _libc()
     with open("/proc/self/maps") as maps:
         spans = [line.split()[:2] for line in maps]
     for span, perms in spans:
         if perms[1] == "w" and perms[3] == "s":
             start, end = (int(x, 16) for x in span.split("-"))
             libc.mprotect(start, end - start, _PROT_READ)
-    abi = landlock_abi()
+    abi = landlock_abi(libc)
     if abi < 1 or libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         return  # no Landlock here: shared memory is read-only, files are not
     handled = ctypes.c_uint64(_LANDLOCK_WRITES[min(abi, 3)])  # rights no rule grants: denied

@@ -127,8 +127,8 @@ class TableGradient:
 
         self._hook = register_optimizer_step_pre_hook(pre_step)
         self._post_hook = register_optimizer_step_post_hook(post_step)
-        #: the gradient an optimizer's step took, hidden from it while it steps: (.grad, its
-        #: version once back); it steps again at the next step unless changed or dropped
+        #: the gradient an optimizer's step took, put back as .grad after it: (that tensor, its
+        #: version then); not pending unless changed or replaced, though the next step takes it
         self._taken: tuple[torch.Tensor, int] | None = None
         self._hidden: tuple[torch.Tensor, bool] | None = None
         self._value_hook: Any = None
@@ -168,7 +168,8 @@ class TableGradient:
         """
         if not self.live():
             return False
-        return self._taken is None or self._taken[1] != self.parameter.grad._version
+        grad, taken = self.parameter.grad, self._taken
+        return taken is None or taken[0] is not grad or taken[1] != grad._version
 
     def add(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
         """Add one backward pass's gradient ``grad`` (U, D) of the rows ``ids`` (U,) sorted.
