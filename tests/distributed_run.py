@@ -14,7 +14,8 @@ Every run trains the tiny BERT of ``helpers.py`` with DDP on its dense weights, 
   table and finishes the epoch from the checkpoint.
 - ``lose HOW``: rank 1 dies (``kill``) or hangs (``hang``) at step 3; rank 0 records the error it
   gets and how long it took.
-- ``mismatch``: rank 1 reads one batch more than rank 0.
+- ``mismatch HOW``: ranks out of step: rank 1 reads one batch more than rank 0 (``batch``), or
+  rank 0 closes before a step that rank 1 takes (``step``).
 - ``held``: a batch claimed before ``load_checkpoint`` and read after a step; its rows against
   the table's.
 - ``serve_fails``: the last rank fails to serve its rows at its third request.
@@ -549,7 +550,9 @@ def serve_fails(folder: str) -> None:
     os._exit(0)
 
 
-def mismatch(folder: str) -> None:
+def mismatch(folder: str, how: str = "batch") -> None:
+    """``batch``: rank 1 reads one batch more, then both step and close; ``step``: rank 0
+    closes before its first step, where rank 1 steps and reads on."""
     path = os.path.join(folder, "table.zarr")
     model = offloaded_model(path)
     pipe = make_pipe(path, "sgd")
@@ -557,10 +560,15 @@ def mismatch(folder: str) -> None:
     loader = iter(pipe.loader(samples, batch_size=BATCH, sampler=sampler(samples)))
     outcome: dict = {"error": None}
     try:
-        for _ in range(1 + dist.get_rank()):  # rank 1 reads one batch more
-            model(inputs_embeds=next(loader)["inputs_embeds"]).logits.sum().backward()
-        pipe.step()
-        pipe.close()
+        try:
+            for _ in range(1 + dist.get_rank() if how == "batch" else 1):
+                model(inputs_embeds=next(loader)["inputs_embeds"]).logits.sum().backward()
+            if how == "batch" or dist.get_rank() == 1:
+                pipe.step()
+            if how == "step" and dist.get_rank() == 1:
+                next(loader)
+        finally:
+            pipe.close()
     except Exception as e:
         outcome = {"error": type(e).__name__, "message": str(e)}
     with open(os.path.join(folder, f"rank{dist.get_rank()}.json"), "w") as f:

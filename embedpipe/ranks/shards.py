@@ -91,6 +91,12 @@ _DOING = {
     CLOSE: "closing the pipe",
     FLUSH: "flushing the pipe",
 }
+#: What ranks out of step are told to do.
+IN_STEP = (
+    "Every rank must run the same loop: read each batch's inputs_embeds, run backward and step "
+    "as the others do (a DistributedSampler with drop_last=True gives every rank the same "
+    "number of batches)"
+)
 #: Seconds a rank waits for the others at an exchange before it raises: torch's own default for
 #: a process group (30 minutes), since a rank may rightly be busy that long between two
 #: exchanges (rank 0 writing a large model's checkpoint while the others wait at their next
@@ -284,11 +290,7 @@ class Shards:
                 for r, h in enumerate(headers)
             ]
             self.lost = ShardMismatchError(
-                "the ranks of a sharded table are out of step: "
-                + "; ".join(lines)
-                + ". Every rank must run the same loop: read each batch's inputs_embeds, "
-                "run backward and step as the others do (a DistributedSampler with "
-                "drop_last=True gives every rank the same number of batches)"
+                "the ranks of a sharded table are out of step: " + "; ".join(lines) + f". {IN_STEP}"
             )
             raise self.lost  # the collectives are out of step: none may run again
         return headers[:, 3:]

@@ -36,6 +36,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import ShardMismatchError
+from ..ranks.shards import IN_STEP
 from ..store.table import Table
 from .channel import Channel, ChannelClosed, peer_of
 from .server import Server, become_owner
@@ -55,6 +57,9 @@ class Job:
         #: A rank is gone (a service's job, which outlives it: ``serve.py``): every other
         #: rank's wait ends, with ``ChannelClosed``
         self.failed = False
+        #: Rank 0 closes its pipe after this many steps: a rank waiting for a later one raises
+        #: (it would wait for good, while rank 0 waits for it at the close)
+        self.final_steps: int | None = None
 
     def wait_for(self, ready: Callable[[], bool]) -> None:
         """``lock.wait_for(ready)`` (with ``lock`` held), or ``ChannelClosed`` once the job
@@ -124,8 +129,14 @@ class RankServer(Server):
                 key = ("load", message["folder"], after)  # the count) at the same step
                 nth = self.asked.get(key, 0) + 1
                 job.wait_for(lambda: job.submitted() >= after or job.done.get(key, (0,))[0] >= nth)
-            elif op not in ("open", "join", "submit"):  # wait for rank 0's steps up to ours
-                job.wait_for(lambda: job.submitted() >= after)
+            elif op not in ("open", "join", "submit", "closing"):  # rank 0's steps up to ours
+                job.wait_for(lambda: job.submitted() >= after or job.final_steps is not None)
+                if job.submitted() < after:
+                    raise ShardMismatchError(
+                        f"the ranks of the table {job.owner.table.path} are out of step: rank "
+                        f"{self.rank}'s request ({op}) comes after step {after}, and rank 0 "
+                        f"closed its pipe after step {job.submitted()}. {IN_STEP}"
+                    )
             warnings.showwarning = self._keep_warning  # the owner's warnings go to this rank
             super().handle(op, message, arrays, fds)
             job.lock.notify_all()
@@ -146,7 +157,13 @@ class RankServer(Server):
     def do_submit(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         if self.rank != 0:
             raise RuntimeError(f"rank {self.rank} sent a step: only rank 0 sends the job's steps")
+        self.job.final_steps = None  # (a close that failed, and training went on)
         super().do_submit(m, arrays, fds)
+
+    def do_closing(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        """A rank is about to close (no reply); rank 0: it sends no more steps."""
+        if self.rank == 0:
+            self.job.final_steps = self.job.submitted()
 
     def do_call(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         """checkpoint and save: once for the job at a step (NOTE in the module docstring)."""

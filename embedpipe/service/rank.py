@@ -41,6 +41,7 @@ machines' ranks ``PeerLostError`` when those ranks' connections close.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -51,7 +52,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import DistributedNotSupportedError
+from ..errors import (
+    DistributedNotSupportedError,
+    OwnerDiedError,
+    PeerLostError,
+    ShardMismatchError,
+)
 from ..ranks.ddp import SyncedGradient
 from ..ranks.machine import MachineGradient
 from ..ranks.shard_owner import fetch_remote, writer_on_rank_0
@@ -77,6 +83,7 @@ class RankOwner(RemoteOwner):
         self.several = len(shards.machines) > 1
         self.machine: MachineGradient | None = None
         self.remote_rows = 0  # rows this rank's batches got from other machines
+        self.met = False  # the ranks met at close
         super().__init__(*args, **kwargs)
         self.owned = shards.owned
         #: (steps submitted, generation) when every machine's owner last wrote its rows
@@ -324,8 +331,17 @@ class RankOwner(RemoteOwner):
         self.written = (self.submitted, self.generation)  # the files are the snapshot
 
     def close(self, raise_errors: bool = True) -> None:
-        """Several machines: one last commit of every shard together first (or none: the
-        owners never commit on their own), then each owner process is closed."""
+        """The ranks meet first, so that ranks out of step raise where one would wait for good
+        in its owner process for another that waits for it in an exchange; several machines:
+        one last commit of every shard together (or none: the owners never commit on their
+        own). Then each owner process is closed."""
+        if not self.closed and self.shards.lost is None and not self.met:
+            try:
+                self._meet_at_close()
+            except OwnerDiedError:
+                self.machine = None
+                self.shards.close()
+                raise
         if not self.closed and self.shards.lost is not None:
             self._leave()
             if raise_errors:
@@ -346,6 +362,18 @@ class RankOwner(RemoteOwner):
                 self.shards.close()
         if error is not None and raise_errors:
             raise error
+
+    def _meet_at_close(self) -> None:
+        """The close's header (``shards.lost`` when the ranks are out of step). Every rank
+        first tells its owner process that it closes (``OwnerDiedError`` if it is gone): from
+        the rank that sends the machine's steps, that no more come, so a rank waiting there
+        for one raises, and meets this one here."""
+        self._request({"op": "closing"}, reply=False)
+        if self.several and self.written != (None, None):
+            return  # the last commit begins with the header
+        self.met = True  # once: a close() again (its request failed) does not meet again
+        with contextlib.suppress(PeerLostError, ShardMismatchError):  # (kept in shards.lost)
+            self.shards.begin(CLOSE, self.submitted, self.generation)
 
     def _leave(self) -> None:
         """This rank's exchanges failed (a peer lost, ranks out of step, its rows not served):

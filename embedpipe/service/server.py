@@ -157,7 +157,7 @@ class Server:
                 self.rings.pop(ring, None)
             op = message.pop("op", None)
             try:
-                if self.later is not None and op not in ("submit", "close"):
+                if self.later is not None and op not in ("submit", "closing", "close"):
                     error, self.later = self.later, None
                     raise error
                 self.handle(op, message, arrays, fds)
@@ -167,7 +167,7 @@ class Server:
                 for fd in fds:  # descriptors no handler took
                     with contextlib.suppress(OSError):
                         os.close(fd)
-                if op == "submit":  # no reply to give it to: the next request's
+                if op in ("submit", "closing"):  # no reply to give it to: the next request's
                     self.later = self.later or e
                 else:
                     self.reply_error(e)
@@ -380,6 +380,9 @@ class Server:
         slot = m["slot"]  # in the transfer block, or -1: sent
         grad = self.transfer.gradient(slot, len(ids)) if slot >= 0 else torch.from_numpy(arrays[1])
         self.owner.submit(torch.from_numpy(ids), grad, m["lr"])
+
+    def do_closing(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        """A rank of a job is about to close (no reply): this owner serves it alone."""
 
     def do_wait(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         if self.owner.writeback is not None:

@@ -346,8 +346,14 @@ def test_a_batch_held_across_a_load_and_a_step_reads_every_shards_rows_as_they_a
 
 
 @pytest.mark.slow
-def test_ranks_out_of_step_raise_on_every_rank(tmp_path):
-    outcomes = _outcomes(tmp_path, launch("mismatch", str(tmp_path)), [0, 1], limit=120)
+@pytest.mark.parametrize("how", ["batch", "step"])
+@pytest.mark.parametrize("owner", ["thread", "process"])
+def test_ranks_out_of_step_raise_on_every_rank(tmp_path, owner, how):
+    """With one owner process, found by a red-team probe: a rank out of step waited in a request
+    to the owner (a close; a batch for a step rank 0 never sends) while the other waited for it
+    in the gradient's exchange, until the 30-minute timeout."""
+    procs = launch("mismatch", str(tmp_path), how, env={"PIPE_OWNER": owner})
+    outcomes = _outcomes(tmp_path, procs, [0, 1], limit=120)
     for outcome in outcomes:
         assert outcome["error"] == "ShardMismatchError", outcome
         assert "out of step" in outcome["message"], outcome

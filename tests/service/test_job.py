@@ -71,7 +71,7 @@ def framework_runs(tmp_path_factory, monkeypatch_module):
 @pytest.mark.slow
 @pytest.mark.parametrize("accumulation", ["1", "2"])
 def test_hf_trainer_with_one_owner_process_for_its_ranks(framework_runs, accumulation):
-    """Bit for bit without accumulation, to rounding with it; resume, evaluate, save_model
+    """Bit for bit, with accumulation and without; resume, evaluate, save_model
     (a snapshot asked by rank 1 before rank 0 made its folder waits for rank 0's request)."""
     distributed.test_hf_trainer_under_torchrun_trains_the_table_trainer_trains_with_nn_embedding(
         framework_runs, accumulation
