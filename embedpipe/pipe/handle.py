@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 from ..cache import budget
 from ..cache.policy import DEFAULT_WINDOW, make_policy
-from ..errors import DistributedNotSupportedError, InvalidRowsError
+from ..errors import DistributedNotSupportedError
 from ..optim import RowOptimizer
 from ..owner.owner import Owner
 from ..ranks.shard_owner import ShardOwner, open_shard
@@ -31,12 +31,12 @@ from ..service.address import is_address
 from ..service.client import RemoteOwner
 from ..service.rank import RankOwner, open_shared
 from ..store.checkpoints import Checkpoint
-from ..store.layout import refuse_another_optimizer
+from ..store.layout import check_compatible, refuse_another_optimizer
 from ..store.table import Table
 from .derived import watch
 from .placeholder import OffloadedEmbedding, finish_embeds, ignore_in_ddp, offloaded_embeddings
 from .rowscale import recorded_in_model, recorded_scale
-from .rowsource import read_through
+from .rowsource import check_not_trained_here, read_through, trainings, trains
 from .unclosed import close_when_collected
 
 CONSISTENCY = ("exact", "bounded")
@@ -163,6 +163,9 @@ class EmbeddingPipe:
                     f"the pipe updates {table.path}: open it with Table.open(path, mode='r+')"
                 )
         try:
+            if optimizer is None:
+                check_not_trained_here(table.path)
+                self._trainings = trainings(table.path)  # (stale once another trains it here)
             if padding_idx == "table":
                 padding_idx = table.metadata.get("padding_idx")
             if padding_idx is not None and not 0 <= padding_idx < table.num_rows:
@@ -240,6 +243,7 @@ class EmbeddingPipe:
         )
         self.optimizer, self.consistency, self.padding_idx = optimizer, consistency, padding_idx
         if optimizer is not None:  # table.read() sees the pipe's rows
+            trains(self)
             table._reads_after(self._owner.before_read)
             for placeholder in placeholders:
                 placeholder.attach(self.parameter)
@@ -368,7 +372,7 @@ class EmbeddingPipe:
         if self.optimizer is None:
             raise ValueError("load_checkpoint needs a pipe that trains the table (an optimizer)")
         source = Table.open(folder, "r")
-        _check_compatible(self.table, source)
+        check_compatible(self.table, source)
         refuse_another_optimizer(source.metadata, self.optimizer, source.path)
         self._owner.load(source)
 
@@ -447,17 +451,6 @@ def _check_one_process() -> None:
             "torch.distributed process group is initialised, so each rank would train a copy "
             "of the table of its own. Call torch.distributed.init_process_group() before making "
             "the EmbeddingPipe (it is then sharded over the ranks), or run one process"
-        )
-
-
-def _check_compatible(table: Table, source: Table) -> None:
-    mine = (table.num_rows, table.dim, table.dtype.name, table.chunk_rows)
-    theirs = (source.num_rows, source.dim, source.dtype.name, source.chunk_rows)
-    if mine != theirs:
-        raise InvalidRowsError(
-            f"the snapshot {source.path} holds a table of {theirs[0]} x {theirs[1]} {theirs[2]} "
-            f"rows in chunks of {theirs[3]}; this pipe's table is {mine[0]} x {mine[1]} {mine[2]} "
-            f"in chunks of {mine[3]}: load a snapshot of this table"
         )
 
 

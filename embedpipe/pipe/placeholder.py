@@ -27,6 +27,7 @@ from ..errors import EmbeddingsOffloadedError
 from .callhooks import Hooked, forward_hooks, has_hooks, take_hooks
 from .rowscale import scale_of, scaled, without_weight
 from .rowsource import (
+    check_not_trained_here,
     check_same_table,
     check_step,
     pipe_step,
@@ -76,10 +77,12 @@ def finish_embeds(
     the one the table ``recorded`` at ``offload`` (multiplied ``in_model``, or in the module), as
     does a process with no model (``embedpipe convert``). Models on one table that disagree on
     any of these raise: a batch cannot tell which one will read it."""
+    pipe = None if reader is None else reader()  # (a weak reference) the pipe reading
+    if pipe is not None and pipe.optimizer is None:
+        check_not_trained_here(path, pipe._trainings)  # (made before a pipe that trains)
     modules = offloaded_embeddings(path)
     if not modules:
         return embeds if recorded is None else scaled(embeds, recorded)
-    pipe = None if reader is None else reader()  # (a weak reference) the pipe reading
     if pipe is not None:
         trains = pipe.optimizer is not None
         if trains:  # its table holds their rows (a module made after it too)

@@ -32,6 +32,7 @@ going back in the dense weights alone. ``save_pretrained`` leaves the key out of
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -40,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ..errors import EmbeddingsOffloadedError
+from ..errors import EmbeddingsOffloadedError, TableOwnedError
 from ..store.table import Table
 
 #: The key, after the module's prefix, of the table's step in a state dict.
@@ -49,7 +50,48 @@ _DIGITS = 8
 
 #: The pipe whose table holds each module's rows (weakly), and that table's path.
 _PIPES: weakref.WeakKeyDictionary[Any, tuple[weakref.ref[Any], str]] = weakref.WeakKeyDictionary()
+#: The last pipe made to train a table in this process (weakly), and how many were, by the
+#: table's real path.
+_TRAINERS: dict[str, tuple[weakref.ref[Any], int]] = {}
 _saving = threading.local()
+
+
+def trains(pipe: Any) -> None:
+    """``pipe`` trains its table from now on (a frozen pipe on it here must not read it)."""
+    key = os.path.realpath(pipe.table.path)
+    _TRAINERS[key] = (weakref.ref(pipe), trainings(key) + 1)
+
+
+def trainings(path: str | os.PathLike[str]) -> int:
+    """How many pipes of this process were made to train the table at ``path``."""
+    return _TRAINERS.get(os.path.realpath(path), (None, 0))[1]
+
+
+def check_not_trained_here(path: str | os.PathLike[str], since: int | None = None) -> None:
+    """Raise if an open pipe of this process trains the table at ``path``, which a frozen pipe
+    reads: it would read the table's files without the rows the other's cache holds, or,
+    opened by path, the checkpoint it opened; an evaluation on them would see stale rows.
+    ``since``: :func:`trainings` when the frozen pipe opened the table; a pipe made to train
+    it since (closed or not) left it reading stale rows too."""
+    ref, count = _TRAINERS.get(os.path.realpath(path), (None, 0)) if _TRAINERS else (None, 0)
+    trainer = None if ref is None else ref()
+    if since is not None and count != since and (trainer is None or trainer._owner.closed):
+        raise TableOwnedError(
+            f"this pipe reads the table {path} as of the checkpoint it opened, and a pipe of "
+            "this process has trained the table since: its rows here would be stale. Make a "
+            "new EmbeddingPipe on the table once that pipe closed (it reads the rows trained), "
+            "or read evaluation batches through the pipe that trains it (pipe.loader(eval_dataset))"
+        )
+    if trainer is None or trainer._owner.closed:
+        return
+    raise TableOwnedError(
+        f"the table {path} is trained by an open EmbeddingPipe of this process "
+        f"({trainer.table._owner or 'made earlier'}): a pipe that only reads it would see its "
+        "files without the steps that pipe's cache holds (stale rows). Read evaluation batches "
+        "through the pipe that trains it (pipe.loader(eval_dataset): they see every step so "
+        "far), or evaluate a snapshot (pipe.save_checkpoint(folder), then "
+        "EmbeddingPipe(folder))"
+    )
 
 
 def read_through(module: Any, pipe: Any) -> None:

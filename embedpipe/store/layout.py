@@ -99,6 +99,18 @@ def read_table_metadata(path: str) -> dict[str, Any]:
     return meta
 
 
+def check_compatible(table: Any, source: Any) -> None:
+    """Raise unless the snapshot ``source`` (a Table) has ``table``'s shape, dtype and chunks."""
+    mine = (table.num_rows, table.dim, table.dtype.name, table.chunk_rows)
+    theirs = (source.num_rows, source.dim, source.dtype.name, source.chunk_rows)
+    if mine != theirs:
+        raise InvalidRowsError(
+            f"the snapshot {source.path} holds a table of {theirs[0]} x {theirs[1]} {theirs[2]} "
+            f"rows in chunks of {theirs[3]}; this pipe's table is {mine[0]} x {mine[1]} {mine[2]} "
+            f"in chunks of {mine[3]}: load a snapshot of this table"
+        )
+
+
 def refuse_another_optimizer(meta: dict[str, Any], optimizer: Any, path: str) -> None:
     """Raise if the table (``meta``: its metadata, or a snapshot's) was stepped by another row
     optimizer than ``optimizer`` and ``optimizer`` would not start as a fresh torch one does:

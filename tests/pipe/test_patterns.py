@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import embedpipe
+from embedpipe.errors import TableOwnedError
 from embedpipe.owner.gradient import BUILT_LR
 
 V, D = 60, 8
@@ -454,6 +455,47 @@ def test_an_evaluation_through_a_copy_attached_leaves_the_model_its_table(tmp_pa
         train(pipe, optimizer, data[8:])
         embedpipe.hf.restore(model, pipe)
         assert torch.equal(model.emb.weight.detach(), table(pipe))
+
+
+@pytest.mark.parametrize("owner", ["thread", "process"])
+@pytest.mark.parametrize("made", ["on-its-table", "by-path", "by-path-before"])
+def test_a_frozen_pipe_on_the_table_another_pipe_trains_here_raises(tmp_path, made, owner):
+    """Found by a red-team probe: an evaluation through a second, frozen pipe on the table that
+    a pipe of the same process trains read its files without the rows the trainer's cache held
+    (on the trainer's Table object: 15-20 of 160 rows an earlier step's), or, opened by path, its
+    last checkpoint (all 160 stale, however many steps since), with no error. Made before the
+    trainer, it raises at its first batch, and after the trainer closed too (it reads the
+    checkpoint it opened); one made after the trainer closed reads the rows trained."""
+    model, data = Toy(), samples(16)
+    frozen = None
+    if made == "by-path-before":
+        embedpipe.hf.offload(model, tmp_path / "t.zarr", chunk_rows=16).close()
+        frozen = embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=20)
+        pipe = embedpipe.EmbeddingPipe(
+            tmp_path / "t.zarr", cache_rows=20, optimizer=embedpipe.optim.Adagrad(**ADAGRAD),
+            owner=owner,
+        )  # fmt: skip
+    else:
+        pipe = offloaded(tmp_path, model, owner=owner)
+    with pipe:
+        optimizer = one_optimizer(model, pipe)
+        for batch in pipe.loader(data, batch_size=4):
+            loss(model, batch, True).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with pytest.raises(TableOwnedError, match=r"pipe.loader\(eval_dataset\)"):
+            if frozen is None:
+                on = pipe.table if made == "on-its-table" else pipe.table.path
+                frozen = embedpipe.EmbeddingPipe(on, cache_rows=20)
+            with torch.no_grad():
+                next(iter(frozen.loader(data, batch_size=4)))["inputs_embeds"]
+        trained = table(pipe)
+    if frozen is not None:  # made before: it reads the checkpoint it opened, stale still
+        with frozen, pytest.raises(TableOwnedError, match="trained the table since"):
+            next(iter(frozen.loader(data, batch_size=4)))["inputs_embeds"]
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=20) as frozen:
+        batch = next(iter(frozen.loader(data, batch_size=4)))
+        assert torch.equal(batch["inputs_embeds"], trained[batch["input_ids"]])
 
 
 def test_two_forward_passes_over_one_batch_add_up_as_with_nn_embedding(tmp_path):
