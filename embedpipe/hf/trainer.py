@@ -319,6 +319,15 @@ class Trainer(transformers.Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         from .offloading import skipping_word_embeddings
 
+        if not any(name.startswith("optimizer") for name in os.listdir(resume_from_checkpoint)):
+            raise ValueError(
+                f"{resume_from_checkpoint} holds no optimizer state (saved with "
+                "save_only_model=True): transformers resumes from it with a fresh optimizer for "
+                "the other weights, while the table's snapshot holds its optimizer's state, so "
+                "the run would differ from one with nn.Embedding. Resume from a checkpoint saved "
+                "without save_only_model, or start a new run from the model it holds "
+                "(from_pretrained on the folder, then offload)"
+            )
         with skipping_word_embeddings(model or self.model):  # the table comes from the snapshot
             super()._load_from_checkpoint(resume_from_checkpoint, model)
         self._load_table(resume_from_checkpoint, model or self.model)

@@ -177,6 +177,19 @@ def test_resuming_from_a_checkpoint_without_a_table_says_so(runs, tmp_path):
         train_embedpipe(tmp_path / "run", runs["data"], resume=str(checkpoint))
 
 
+def test_resuming_from_a_checkpoint_saved_with_save_only_model_raises(runs, tmp_path):
+    """Found by a red-team probe: transformers resumed the other weights with a fresh optimizer
+    and the table with its snapshot's (4.7e-8 apart at the end, no warning)."""
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    real = runs["folder"] / "embedpipe" / "out" / "checkpoint-4"
+    for name in os.listdir(real):
+        if not name.startswith(("optimizer", "scheduler", "rng_state", "scaler")):
+            os.symlink(real / name, checkpoint / name)
+    with pytest.raises(ValueError, match="save_only_model"):
+        train_embedpipe(tmp_path / "run", runs["data"], resume=str(checkpoint))
+
+
 def test_save_model_writes_a_folder_from_pretrained_loads_with_the_trained_table(runs, tmp_path):
     runs["trainer"].save_model(str(tmp_path / "saved"))
     model, info = transformers.BertForSequenceClassification.from_pretrained(
