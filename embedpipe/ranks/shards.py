@@ -95,7 +95,7 @@ _DOING = {
 IN_STEP = (
     "Every rank must run the same loop: read each batch's inputs_embeds, run backward and step "
     "as the others do (a DistributedSampler with drop_last=True gives every rank the same "
-    "number of batches)"
+    "number of batches); or a rank closed its pipe early, on an error of its own (its log says)"
 )
 #: Seconds a rank waits for the others at an exchange before it raises: torch's own default for
 #: a process group (30 minutes), since a rank may rightly be busy that long between two

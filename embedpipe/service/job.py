@@ -128,15 +128,22 @@ class RankServer(Server):
             if op == "load":  # rank 0's steps up to ours; or another rank loaded (and restarted
                 key = ("load", message["folder"], after)  # the count) at the same step
                 nth = self.asked.get(key, 0) + 1
-                job.wait_for(lambda: job.submitted() >= after or job.done.get(key, (0,))[0] >= nth)
+                job.wait_for(
+                    lambda: (
+                        job.submitted() >= after
+                        or job.done.get(key, (0,))[0] >= nth
+                        or job.final_steps is not None
+                    )
+                )
             elif op not in ("open", "join", "submit", "closing"):  # rank 0's steps up to ours
                 job.wait_for(lambda: job.submitted() >= after or job.final_steps is not None)
-                if job.submitted() < after:
-                    raise ShardMismatchError(
-                        f"the ranks of the table {job.owner.table.path} are out of step: rank "
-                        f"{self.rank}'s request ({op}) comes after step {after}, and rank 0 "
-                        f"closed its pipe after step {job.submitted()}. {IN_STEP}"
-                    )
+            waited = op not in ("open", "join", "submit", "closing") and job.submitted() < after
+            if waited and (op != "load" or job.done.get(key, (0,))[0] < nth):  # rank 0 closed
+                raise ShardMismatchError(
+                    f"the ranks of the table {job.owner.table.path} are out of step: rank "
+                    f"{self.rank}'s request ({op}) comes after step {after}, and rank 0 "
+                    f"closed its pipe after step {job.submitted()}. {IN_STEP}"
+                )
             warnings.showwarning = self._keep_warning  # the owner's warnings go to this rank
             super().handle(op, message, arrays, fds)
             job.lock.notify_all()
