@@ -66,6 +66,11 @@ class _RowOptimizerBase:
         """State array name -> initial value, in the order the arrays are stored."""
         return {}
 
+    def remembers(self) -> bool:
+        """Whether a step depends on the steps before: state arrays, or the step count (Adam's
+        bias correction, Adagrad's ``lr_decay``). A fresh torch optimizer starts those anew."""
+        return bool(self.state_init()) or self.name == "adam" or bool(getattr(self, "lr_decay", 0))
+
     def config(self) -> dict:
         """A JSON-able dict that :func:`from_config` turns back into an equal optimizer."""
         options = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}

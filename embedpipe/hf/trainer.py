@@ -45,6 +45,7 @@ from transformers.trainer_pt_utils import BatchRebalanceSampler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
 from transformers.utils import is_datasets_available
 
+from ..owner.gradient import STEPPED
 from ..pipe.handle import EmbeddingPipe
 from ..pipe.meter import PipeMeter
 from ..pipe.rowsource import rows_path
@@ -337,7 +338,18 @@ class Trainer(transformers.Trainer):
 
         with skipping_word_embeddings(self.model):
             super()._load_best_model()
-        self._load_table(self.state.best_model_checkpoint, self.model)
+        best, last = self.state.best_model_checkpoint, self.pipe.table.step
+        self._load_table(best, self.model)
+        going_back = self.pipe.table.step != last and self.optimizer is not None
+        for group in self.optimizer.param_groups if going_back else ():
+            if any(p is self.pipe.parameter for p in group["params"]):  # (NOTE in gradient.py)
+                group[STEPPED] = (
+                    f"load_best_model_at_end loaded the table of {best} with its row "
+                    "optimizer's state, where transformers keeps its optimizer's state of the "
+                    "last step: training on would differ from nn.Embedding. Resume from a "
+                    "checkpoint instead (train(resume_from_checkpoint=...)), or train a copy "
+                    "of the rows with a new Trainer"
+                )
 
     def _load_table(self, checkpoint: str, model: Any) -> None:
         """The table's snapshot in ``checkpoint``, whose weights were just loaded into

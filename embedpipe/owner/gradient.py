@@ -79,6 +79,7 @@ from torch.optim.optimizer import (
 )
 
 from ..errors import EmbeddingsOffloadedError
+from ..store.layout import remembered_steps
 
 #: Called with (ids (U,) CPU int64, grad (U, D) on the gradient's device, lr or None) per step.
 StepSink = Callable[[torch.Tensor, torch.Tensor, "float | None"], None]
@@ -93,23 +94,20 @@ class TableGradient:
     """The pending gradient of the table's rows, as :attr:`parameter`'s ``.grad``."""
 
     def __init__(
-        self,
-        dim: int,
-        base_lr: float,
-        check: StepCheck,
-        on_step: StepSink,
-        parameter: nn.Parameter | None = None,
+        self, table: Any, optimizer: Any, check: StepCheck, on_step: StepSink, parameter: Any
     ) -> None:
-        """``parameter``: the one to hold the gradient in (``offload`` makes it, so that an
-        optimizer built before the pipe holds it too); a new one if None."""
-        self.parameter = parameter if parameter is not None else nn.Parameter(torch.empty(0, dim))
+        """The gradient of ``table``'s rows, stepped by the row ``optimizer``; ``parameter``:
+        the one to hold it in (``offload`` makes it, so that an optimizer built before the pipe
+        holds it too); a new one if None."""
+        fresh = nn.Parameter(torch.empty(0, table.dim))
+        self.parameter = parameter if parameter is not None else fresh
         self.ids: torch.Tensor | None = None  # the rows of parameter.grad, sorted
         self._version = -1  # parameter.grad's version counter when this object last changed it
-        self.base_lr = base_lr
-        self.check = check
-        self.on_step = on_step
+        self.base_lr, self.check, self.on_step = optimizer.lr, check, on_step
         self.backwards = 0  # backward passes added since the last step
         self.steps = 0  # steps taken
+        self.stepped = remembered_steps(table.metadata, optimizer)  # (NOTE [ A new optimizer...)
+        self.remembers = optimizer.remembers()
         self._warned = False
         #: an optimizer that does not hold the parameter stepped while its gradient was pending
         self._passed_over = False
@@ -307,6 +305,7 @@ class TableGradient:
         grad = self.parameter.grad
         if grad is None or self.ids is None:
             return  # torch skips a parameter with no .grad
+        _refuse_fresh_state(optimizer, group, self.stepped + self.steps if self.remembers else 0)
         live = self.live()
         scale = getattr(optimizer, "grad_scale", None)  # GradScaler, and a fused optimizer
         if scale is not None and live:
@@ -456,6 +455,33 @@ def _see_at_step(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Non
             stacklevel=4,
         )
     _see(group)
+
+
+# NOTE [ A new optimizer and the table's state ]: a torch optimizer keeps each parameter's state
+# (Adagrad's sum, Adam's moments, step count): a new one starts afresh, unless a state dict is
+# loaded into it. The table keeps its row
+# optimizer's state whichever torch optimizer steps it: a second one built mid-run (a new
+# Trainer) trained on from the first's state (8.99e-6 apart after 4 Adagrad steps). So each group
+# that steps the table is marked (a key its state_dict carries), and an unmarked group of a fresh
+# optimizer (no state) that steps a table whose row optimizer remembers steps raises, unless it
+# keeps no state itself (SGD without momentum).
+STEPPED = "embedpipe_stepped"
+
+
+def _refuse_fresh_state(optimizer: Any, group: dict[str, Any], steps: int) -> None:
+    """Raise if ``group``, unmarked (or marked with why), steps a table remembering ``steps``."""
+    mark, sgd = group.get(STEPPED), isinstance(optimizer, torch.optim.SGD)
+    loaded = mark is None and any(optimizer.state.values())  # (a state dict of before the mark)
+    if steps and mark is not True and not loaded and not (sgd and not group.get("momentum")):
+        raise RuntimeError(
+            mark if isinstance(mark, str) else f"this {type(optimizer).__name__} steps the "
+            f"embedding table for the first time, and the table keeps the state of {steps} "
+            "step(s) of its row optimizer (sums, moments, step count), where torch starts a new "
+            "optimizer's state afresh for an nn.Embedding: training on would differ. Step on "
+            "with the optimizer that stepped it, or one loaded from its state_dict(); or train "
+            "a copy of the rows anew: embedpipe.Table.from_tensor(NEW_PATH, pipe.table.to_tensor())"
+        )  # fmt: skip
+    group[STEPPED] = True
 
 
 def _refuse_stale(optimizer: torch.optim.Optimizer) -> None:

@@ -112,9 +112,7 @@ class Owner:
         self.writeback, self.gradient = None, None  # a Writeback, a TableGradient: to train
         if optimizer is not None:
             self.writeback = Writeback(self.apply, idle=self.clean_ahead, step=table.step)
-            self.gradient = TableGradient(
-                table.dim, optimizer.lr, self.check_step, self.submit, parameter
-            )
+            self.gradient = TableGradient(table, optimizer, self.check_step, self.submit, parameter)
         self.counts = dict.fromkeys(COUNTS, 0)
         self._filling = policy.cache_rows > 0  # the cache may still fill: NOTE in cache/budget.py
         self._step_in_progress: int | None = None  # for the messages of failed table writes

@@ -31,7 +31,7 @@ from ..service.address import is_address
 from ..service.client import RemoteOwner
 from ..service.rank import RankOwner, open_shared
 from ..store.checkpoints import Checkpoint
-from ..store.layout import check_compatible, refuse_another_optimizer
+from ..store.layout import check_compatible, refuse_another_optimizer, remembered_steps
 from ..store.table import Table
 from .derived import watch
 from .placeholder import OffloadedEmbedding, finish_embeds, ignore_in_ddp, offloaded_embeddings
@@ -374,7 +374,12 @@ class EmbeddingPipe:
         source = Table.open(folder, "r")
         check_compatible(self.table, source)
         refuse_another_optimizer(source.metadata, self.optimizer, source.path)
+        gradient, remembered = (
+            self._owner.gradient,
+            remembered_steps(source.metadata, self.optimizer),
+        )
         self._owner.load(source)
+        gradient.stepped = remembered - gradient.steps  # (NOTE [ A new optimizer and the ...)
 
     def close(self) -> None:
         """Apply what is queued, write every updated row, commit a checkpoint, stop the writeback

@@ -161,7 +161,7 @@ class RemoteOwner:
         if optimizer is not None:
             table._reopen(live=True)  # reads see the owner's steps (after a flush): the live arrays
         self.gradient = (
-            TableGradient(table.dim, optimizer.lr, self.check_step, self.submit, parameter)
+            TableGradient(table, optimizer, self.check_step, self.submit, parameter)
             if optimizer is not None
             else None
         )

@@ -111,6 +111,24 @@ def check_compatible(table: Any, source: Any) -> None:
         )
 
 
+def remembered_steps(meta: dict[str, Any], optimizer: Any) -> int:
+    """The steps whose state the table (``meta``: its metadata, or a snapshot's) holds for the
+    row ``optimizer``: none where another one trained it (this one's state starts fresh), else
+    those since this one began (``optimizer_from``)."""
+    if (meta.get("optimizer") or {}).get("name") != optimizer.name:
+        return 0
+    return int(meta.get("step", 0)) - int(meta.get("optimizer_from", 0))
+
+
+def optimizer_metadata(meta: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+    """The metadata of a table (``meta``) that the row ``optimizer`` trains from now on: its
+    configuration and, where another one trained the table, the step its state begins at."""
+    values: dict[str, Any] = {"optimizer": optimizer.config()}
+    if (meta.get("optimizer") or {}).get("name") != optimizer.name:
+        values["optimizer_from"] = int(meta.get("step", 0))
+    return values
+
+
 def refuse_another_optimizer(meta: dict[str, Any], optimizer: Any, path: str) -> None:
     """Raise if the table (``meta``: its metadata, or a snapshot's) was stepped by another row
     optimizer than ``optimizer`` and ``optimizer`` would not start as a fresh torch one does:

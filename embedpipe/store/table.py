@@ -41,6 +41,7 @@ from .layout import (
     nbytes_on_disk,
     open_group,
     open_to_write,
+    optimizer_metadata,
     pin_checkpoint,
     read_table_metadata,
     refuse_another_optimizer,
@@ -311,13 +312,13 @@ class Table:
         self._update_metadata(**values)
 
     def _prepare(self, optimizer: Any, keep: int | None, shards: dict | None = None) -> None:
-        """For a pipe that trains the table: ``optimizer``'s state arrays (a RowOptimizer) and
-        configuration, ``keep`` and the sharding (None: one process) in the metadata."""
+        """For a pipe that trains the table: ``optimizer``'s state arrays and configuration,
+        ``keep``, the sharding (None: one process) in the metadata."""
         refuse_another_optimizer(self._meta, optimizer, self.path)
         for name, fill in optimizer.state_init().items():
             if name not in self.state_names:
                 self._add_state(name, fill)
-        values: dict[str, Any] = {"optimizer": optimizer.config(), "shards": shards}
+        values: dict[str, Any] = {**optimizer_metadata(self._meta, optimizer), "shards": shards}
         if keep is not None:
             values["keep"] = keep
         if any(self.metadata.get(k) != v for k, v in values.items()):
@@ -369,7 +370,7 @@ class Table:
             for name, fill in optimizer.state_init().items():
                 if name not in self.state_names:
                     self._add_state(name, fill)
-            self._meta["optimizer"] = optimizer.config()
+            self._meta.update(optimizer_metadata(self._meta, optimizer))
         return self._commit(self.step)
 
     def _roll_back(self, only: Callable[[str], bool] | None = None) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 
 import embedpipe
 from embedpipe.errors import TableOwnedError
-from embedpipe.owner.gradient import BUILT_LR
+from embedpipe.owner.gradient import BUILT_LR, STEPPED
 
 V, D = 60, 8
 # owner="thread" where a test looks at or patches the owner's objects (its cache, policy,
@@ -325,9 +325,13 @@ def test_a_hand_written_warmup_in_a_shared_group_scales_the_table_as_built(tmp_p
 def test_an_optimizer_built_mid_run_at_another_rate_than_its_default_is_warned_about(tmp_path):
     """A second phase's AdamW(model.parameters()), built after the pipe's first batch, is first
     seen at its step: at its default rate that is its built rate; at another (a warmup begun by
-    hand, or a group built with a rate of its own) embedpipe cannot tell, and warns."""
+    hand, or a group built with a rate of its own) embedpipe cannot tell, and warns. (Row SGD:
+    a new optimizer on a table Adagrad stepped raises, test below.)"""
     model = Toy()
-    with offloaded(tmp_path, model) as pipe:
+    table = embedpipe.hf.offload(model, tmp_path / "t.zarr", chunk_rows=16)
+    with embedpipe.EmbeddingPipe(
+        table, cache_rows=20, optimizer=embedpipe.optim.SGD(lr=0.1)
+    ) as pipe:
         for phase in ("default", "changed"):
             optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)  # one group, shared
             batch = next(iter(pipe.loader(samples(4), batch_size=4)))
@@ -341,6 +345,86 @@ def test_an_optimizer_built_mid_run_at_another_rate_than_its_default_is_warned_a
                     optimizer.step()
             assert optimizer.param_groups[0][BUILT_LR] == optimizer.param_groups[0]["lr"]
             optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("second", ["new", "loaded", "loaded-unmarked", "sgd"])
+@pytest.mark.parametrize("owner", ["thread", "process"])
+def test_a_new_optimizer_on_a_table_its_row_optimizer_stepped_raises(tmp_path, second, owner):
+    """Found by a red-team probe: a second phase's new AdamW trained on from the table's Adagrad
+    sums, where a new torch Adagrad starts afresh (8.99e-6 apart after 4 steps), silently. One
+    loaded from the first's state_dict goes on, exact; so does a new SGD without momentum (it
+    keeps no state: a resume by hand builds it anew, as test_a_model_rebuilt_to_resume...)."""
+    data = samples(16)
+    reference = Toy()
+    dense, adagrad = reference_optimizer(reference)
+    for k in range(0, 16, 4):
+        batch = {key: torch.stack([s[key] for s in data[k : k + 4]]) for key in data[0]}
+        loss(reference, batch, False).backward()
+        step_both(dense, adagrad)
+    model = Toy()
+    with offloaded(tmp_path, model, owner=owner) as pipe:
+        optimizer = one_optimizer(model, pipe)
+        for k, batch in enumerate(pipe.loader(data, batch_size=4)):
+            if k == 2:
+                state, optimizer = optimizer.state_dict(), one_optimizer(model, pipe)
+                if second.startswith("loaded"):  # unmarked: saved by an earlier embedpipe
+                    for group in state["param_groups"] if second != "loaded" else ():
+                        group.pop(STEPPED, None)
+                    optimizer.load_state_dict(state)
+                elif second == "sgd":
+                    optimizer = torch.optim.SGD([pipe.parameter], lr=ADAGRAD["lr"])
+            loss(model, batch, True).backward()
+            if k == 2 and second == "new":
+                with pytest.raises(RuntimeError, match="keeps the state of 2 step"):
+                    optimizer.step()
+                return
+            optimizer.step()
+            optimizer.zero_grad()
+        assert pipe.stats()["steps"] == 4
+        if second.startswith("loaded"):
+            assert torch.equal(table(pipe), reference.emb.weight.detach())
+
+
+def two_steps(model, pipe, data, optimizer=None) -> torch.optim.Optimizer:
+    optimizer = optimizer or one_optimizer(model, pipe)
+    for batch in pipe.loader(data, batch_size=4):
+        loss(model, batch, True).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return optimizer
+
+
+@pytest.mark.parametrize("case", ["load-stepped", "load-fresh", "other-row-optimizer"])
+def test_what_a_new_optimizer_meets_after_a_load_or_a_row_optimizer_changed(tmp_path, case):
+    """Found by review: a load_checkpoint left the count of remembered steps as before the load
+    (a snapshot of 2 Adagrad steps loaded into a fresh table then trained silently from its
+    sums with a new optimizer; a step-0 snapshot raised), and a table SGD stepped raised for a
+    row Adagrad, whose state starts fresh there."""
+    model, data = Toy(), samples(8)
+    if case == "other-row-optimizer":
+        embedpipe.hf.offload(model, tmp_path / "t.zarr", chunk_rows=16).close()
+        sgd = embedpipe.optim.SGD(lr=0.05)
+        with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=20, optimizer=sgd) as pipe:
+            two_steps(model, pipe, data)
+        with offloaded_table(tmp_path) as pipe:
+            two_steps(model, pipe, data)  # a new AdamW, a row Adagrad: both start fresh
+            assert pipe.stats()["steps"] == 2
+        return
+    if case == "load-stepped":
+        with offloaded(tmp_path, model) as pipe:
+            two_steps(model, pipe, data)
+            pipe.save_checkpoint(tmp_path / "stepped")
+        other = Toy()
+        with offloaded(tmp_path, other, "other.zarr") as pipe:  # step 0, no step taken
+            pipe.load_checkpoint(tmp_path / "stepped")  # its sums of 2 steps: a new one raises
+            with pytest.raises(RuntimeError, match="keeps the state of 2 step"):
+                two_steps(other, pipe, data)
+        return
+    with offloaded(tmp_path, model) as pipe:
+        pipe.save_checkpoint(tmp_path / "fresh")
+        two_steps(model, pipe, data)
+        pipe.load_checkpoint(tmp_path / "fresh")  # step 0: a new optimizer starts with it
+        two_steps(model, pipe, data)
 
 
 def test_offloading_again_over_the_same_path_trains_the_new_model(tmp_path):
@@ -496,6 +580,18 @@ def test_a_frozen_pipe_on_the_table_another_pipe_trains_here_raises(tmp_path, ma
     with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=20) as frozen:
         batch = next(iter(frozen.loader(data, batch_size=4)))
         assert torch.equal(batch["inputs_embeds"], trained[batch["input_ids"]])
+
+
+def test_a_frozen_pipe_reads_on_after_a_pipe_that_took_no_step(tmp_path):
+    """Found by review: a pipe made to train the table and closed without a step (a phase that
+    trained nothing) made a frozen pipe opened before it raise, though its rows were current."""
+    model, data = Toy(), samples(8)
+    embedpipe.hf.offload(model, tmp_path / "t.zarr", chunk_rows=16).close()
+    with embedpipe.EmbeddingPipe(tmp_path / "t.zarr", cache_rows=20) as frozen:
+        offloaded_table(tmp_path).close()
+        batch = next(iter(frozen.loader(data, batch_size=4)))
+        rows = embedpipe.Table.open(tmp_path / "t.zarr").to_tensor()
+        assert torch.equal(batch["inputs_embeds"], rows[batch["input_ids"]])
 
 
 def test_two_forward_passes_over_one_batch_add_up_as_with_nn_embedding(tmp_path):
