@@ -48,7 +48,7 @@ from transformers.utils import is_datasets_available
 from ..owner.gradient import STEPPED
 from ..pipe.handle import EmbeddingPipe
 from ..pipe.meter import PipeMeter
-from ..pipe.rowsource import rows_path
+from ..pipe.rowsource import pipe_step, rows_path
 from ..store.table import Table
 from ..worker.batch import INPUTS_EMBEDS, EmbeddedBatch
 from ..worker.collate import PadCollator
@@ -338,9 +338,9 @@ class Trainer(transformers.Trainer):
 
         with skipping_word_embeddings(self.model):
             super()._load_best_model()
-        best, last = self.state.best_model_checkpoint, self.pipe.table.step
+        best, last = self.state.best_model_checkpoint, pipe_step(self.pipe)  # (steps queued too)
         self._load_table(best, self.model)
-        going_back = self.pipe.table.step != last and self.optimizer is not None
+        going_back = pipe_step(self.pipe) != last and self.optimizer is not None
         for group in self.optimizer.param_groups if going_back else ():
             if any(p is self.pipe.parameter for p in group["params"]):  # (NOTE in gradient.py)
                 group[STEPPED] = (

@@ -79,7 +79,7 @@ def finish_embeds(
     any of these raise: a batch cannot tell which one will read it."""
     pipe = None if reader is None else reader()  # (a weak reference) the pipe reading
     if pipe is not None and pipe.optimizer is None:
-        check_not_trained_here(path, pipe)  # (one made before a pipe that trains)
+        check_not_trained_here(path, pipe._trainings)  # (made before a pipe that trains)
     modules = offloaded_embeddings(path)
     if not modules:
         return embeds if recorded is None else scaled(embeds, recorded)

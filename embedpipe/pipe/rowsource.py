@@ -42,7 +42,6 @@ from typing import Any
 import torch
 
 from ..errors import EmbeddingsOffloadedError, TableOwnedError
-from ..store.layout import read_table_metadata
 from ..store.table import Table
 
 #: The key, after the module's prefix, of the table's step in a state dict.
@@ -68,27 +67,22 @@ def trainings(path: str | os.PathLike[str]) -> int:
     return _TRAINERS.get(os.path.realpath(path), (None, 0))[1]
 
 
-def check_not_trained_here(path: str | os.PathLike[str], reader: Any = None) -> None:
+def check_not_trained_here(path: str | os.PathLike[str], since: int | None = None) -> None:
     """Raise if an open pipe of this process trains the table at ``path``, which a frozen pipe
     reads: it would read the table's files without the rows the other's cache holds, or,
     opened by path, the checkpoint it opened; an evaluation on them would see stale rows.
-    ``reader``: the frozen pipe, which noted :func:`trainings` when it opened the table; if a
-    pipe made to train it since (closed or not) moved its step, it reads stale rows too."""
+    ``since``: :func:`trainings` when the frozen pipe opened the table; a pipe made to train
+    it since (closed or not) left it reading stale rows too."""
     ref, count = _TRAINERS.get(os.path.realpath(path), (None, 0)) if _TRAINERS else (None, 0)
     trainer = None if ref is None else ref()
-    closed = trainer is None or trainer._owner.closed
-    if reader is not None and count != reader._trainings and closed:
-        if read_table_metadata(path).get("step", 0) == reader.table.step:
-            reader._trainings = count  # (it took no step: the rows are those it reads)
-        else:
-            raise TableOwnedError(
-                f"this pipe reads the table {path} as of the checkpoint it opened, and a pipe "
-                "of this process has trained the table since: its rows here would be stale. "
-                "Make a new EmbeddingPipe on the table once that pipe closed (it reads the rows "
-                "trained), or read evaluation batches through the pipe that trains it "
-                "(pipe.loader(eval_dataset))"
-            )
-    if closed:
+    if since is not None and count != since and (trainer is None or trainer._owner.closed):
+        raise TableOwnedError(
+            f"this pipe reads the table {path} as of the checkpoint it opened, and a pipe of "
+            "this process has trained the table since: its rows here would be stale. Make a "
+            "new EmbeddingPipe on the table once that pipe closed (it reads the rows trained), "
+            "or read evaluation batches through the pipe that trains it (pipe.loader(eval_dataset))"
+        )
+    if trainer is None or trainer._owner.closed:
         return
     raise TableOwnedError(
         f"the table {path} is trained by an open EmbeddingPipe of this process "

@@ -303,7 +303,7 @@ class Table:
     @property
     def step(self) -> int:
         """The step of the table's last checkpoint as this handle last read or wrote it; a pipe
-        training the table is further on (``pipe.stats()["submitted"]``: the steps it took)."""
+        training the table is further on (``pipe.stats()["steps"]``: the steps it applied)."""
         return int(self._meta.get("step", 0))
 
     def update_metadata(self, **values: Any) -> None:
