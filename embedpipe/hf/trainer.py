@@ -45,7 +45,7 @@ from transformers.trainer_pt_utils import BatchRebalanceSampler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
 from transformers.utils import is_datasets_available
 
-from ..owner.gradient import STEPPED
+from ..owner.freshstate import STEPPED
 from ..pipe.handle import EmbeddingPipe
 from ..pipe.meter import PipeMeter
 from ..pipe.rowsource import pipe_step, rows_path

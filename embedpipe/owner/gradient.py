@@ -80,6 +80,7 @@ from torch.optim.optimizer import (
 
 from ..errors import EmbeddingsOffloadedError
 from ..store.layout import remembered_steps
+from .freshstate import STEPPED, has_stepped, refuse_fresh_state
 
 #: Called with (ids (U,) CPU int64, grad (U, D) on the gradient's device, lr or None) per step.
 StepSink = Callable[[torch.Tensor, torch.Tensor, "float | None"], None]
@@ -268,7 +269,7 @@ class TableGradient:
                 "at trial points of every parameter; leave pipe.parameter out of it"
             )
         _see_at_step(optimizer, group)
-        group.setdefault(STEPPED, any(optimizer.state.values()))  # first seen: loaded, or new
+        group.setdefault(STEPPED, has_stepped(optimizer))  # first seen: loaded, or new
         if kwargs.get("grad_scaler") is not None:
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step() takes the GradScaler itself (grad_scaler=): "
@@ -306,7 +307,7 @@ class TableGradient:
         grad = self.parameter.grad
         if grad is None or self.ids is None:
             return  # torch skips a parameter with no .grad
-        _refuse_fresh_state(optimizer, group, self.stepped + self.steps if self.remembers else 0)
+        refuse_fresh_state(optimizer, group, self.stepped + self.steps if self.remembers else 0)
         live = self.live()
         scale = getattr(optimizer, "grad_scale", None)  # GradScaler, and a fused optimizer
         if scale is not None and live:
@@ -456,33 +457,6 @@ def _see_at_step(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Non
             stacklevel=4,
         )
     _see(group)
-
-
-# NOTE [ A new optimizer and the table's state ]
-# A torch optimizer keeps each parameter's state (Adagrad's sum, Adam's moments, step count): a
-# new one starts afresh, unless a state dict is loaded into it. The table keeps its row
-# optimizer's state whichever torch optimizer steps it: a second one built mid-run (a new
-# Trainer) trained on from the first's state (8.99e-6 apart after 4 Adagrad steps). So each group
-# that steps the table is marked (a key its state_dict carries; first seen with state in its
-# optimizer, as loaded: a state dict saved before the mark), and an unmarked one that steps a
-# table whose row optimizer remembers steps raises, unless it keeps no state (SGD, no momentum).
-STEPPED = "embedpipe_stepped"
-
-
-def _refuse_fresh_state(optimizer: Any, group: dict[str, Any], steps: int) -> None:
-    """Raise if ``group``, unmarked (or marked with why), steps a table remembering ``steps``."""
-    mark, sgd = group.get(STEPPED), isinstance(optimizer, torch.optim.SGD)
-    if steps and mark is not True and not (sgd and not group.get("momentum")):
-        raise RuntimeError(
-            mark if isinstance(mark, str) else f"this {type(optimizer).__name__} steps the "
-            f"embedding table for the first time, and the table keeps the state of {steps} "
-            "step(s) of its row optimizer (sums, moments, step count), where torch starts a new "
-            "optimizer's state afresh for an nn.Embedding: training on would differ. Step on "
-            "with the optimizer that stepped it, or one loaded from its state_dict() (one saved "
-            f"by an earlier embedpipe: set its group['{STEPPED}'] = True); or train a copy of "
-            "the rows anew (Table.from_tensor(NEW_PATH, pipe.table.to_tensor()), in memory)"
-        )  # fmt: skip
-    group[STEPPED] = True
 
 
 def _refuse_stale(optimizer: torch.optim.Optimizer) -> None:

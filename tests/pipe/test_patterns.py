@@ -13,7 +13,8 @@ from torch import nn
 
 import embedpipe
 from embedpipe.errors import TableOwnedError
-from embedpipe.owner.gradient import BUILT_LR, STEPPED
+from embedpipe.owner.freshstate import STEPPED
+from embedpipe.owner.gradient import BUILT_LR
 
 V, D = 60, 8
 # owner="thread" where a test looks at or patches the owner's objects (its cache, policy,
@@ -347,7 +348,9 @@ def test_an_optimizer_built_mid_run_at_another_rate_than_its_default_is_warned_a
             optimizer.zero_grad()
 
 
-@pytest.mark.parametrize("second", ["new", "new-frozen-first", "loaded", "loaded-unmarked", "sgd"])
+@pytest.mark.parametrize(
+    "second", ["new", "new-frozen-first", "new-adagrad", "loaded", "loaded-unmarked", "sgd"]
+)
 @pytest.mark.parametrize("owner", ["thread", "process"])
 def test_a_new_optimizer_on_a_table_its_row_optimizer_stepped_raises(tmp_path, second, owner):
     """Found by a red-team probe: a second phase's new AdamW trained on from the table's Adagrad
@@ -373,10 +376,14 @@ def test_a_new_optimizer_on_a_table_its_row_optimizer_stepped_raises(tmp_path, s
                     optimizer.load_state_dict(state)
                 elif second == "sgd":
                     optimizer = torch.optim.SGD([pipe.parameter], lr=ADAGRAD["lr"])
+                elif second == "new-adagrad":  # (its state made at step 0 when built: review)
+                    optimizer = torch.optim.Adagrad(model.parameters(), **ADAGRAD)
             # (review: a first step of the dense weights alone made it look loaded)
             pipe.parameter.requires_grad_(not (k == 2 and second == "new-frozen-first"))
             loss(model, batch, True).backward()
-            if (k == 2 and second == "new") or (k == 3 and second == "new-frozen-first"):
+            if (k == 2 and second in ("new", "new-adagrad")) or (
+                k == 3 and second == "new-frozen-first"
+            ):
                 with pytest.raises(RuntimeError, match="keeps the state of 2 step"):
                     optimizer.step()
                 return
