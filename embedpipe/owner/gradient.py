@@ -269,7 +269,8 @@ class TableGradient:
                 "at trial points of every parameter; leave pipe.parameter out of it"
             )
         _see_at_step(optimizer, group)
-        group.setdefault(STEPPED, has_stepped(optimizer))  # first seen: loaded, or new
+        if STEPPED not in group:  # first seen: loaded, or new (looked at once, not every step)
+            group[STEPPED] = has_stepped(optimizer)
         if kwargs.get("grad_scaler") is not None:
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step() takes the GradScaler itself (grad_scaler=): "
