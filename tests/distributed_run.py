@@ -14,8 +14,12 @@ Every run trains the tiny BERT of ``helpers.py`` with DDP on its dense weights, 
   table and finishes the epoch from the checkpoint.
 - ``lose HOW``: rank 1 dies (``kill``) or hangs (``hang``) at step 3; rank 0 records the error it
   gets and how long it took.
-- ``mismatch HOW``: ranks out of step: rank 1 reads one batch more than rank 0 (``batch``), or
-  rank 0 closes before a step that rank 1 takes (``step``).
+- ``mismatch HOW``: ranks out of step: rank 1 reads one batch more than rank 0 (``batch``),
+  rank 0 closes before a step that rank 1 takes (``step``), or only rank 1 steps and both read
+  on (``unclosed``).
+- ``alone HOW``: rank 1 raises at step 3, after a checkpoint at step 2, while rank 0 trains on
+  into DDP's collectives; the pipe closed by ``with`` (``HOW=with``), in a ``finally``
+  (``finally``) or at interpreter exit (``exit``). Rank 0 writes the checkpoint's rows.
 - ``held``: a batch claimed before ``load_checkpoint`` and read after a step; its rows against
   the table's.
 - ``serve_fails``: the last rank fails to serve its rows at its third request.
@@ -380,6 +384,37 @@ def lose(folder: str, how: str) -> None:
     report_and_exit(folder, pipe, outcome)
 
 
+def alone(folder: str, how: str) -> None:
+    path = os.path.join(folder, "table.zarr")
+    model = offloaded_model(path)
+    ddp = DDP(model)
+    pipe = make_pipe(path, "sgd")
+    opt = optimizer_for(model, pipe, "sgd")
+    samples = data()
+
+    def train() -> None:
+        loader = pipe.loader(samples, batch_size=BATCH, sampler=sampler(samples))
+        for step, batch in enumerate(loader):
+            if step == 2:
+                pipe.checkpoint()
+                if dist.get_rank() == 0:
+                    torch.save(embedpipe.Table.open(path).to_tensor(), f"{folder}/checkpoint.pt")
+            if step == 3 and dist.get_rank() == 1:
+                raise ValueError("rank 1 fails alone")
+            train_step(ddp, opt, batch)
+
+    if how == "with":
+        with pipe:
+            train()
+    elif how == "finally":
+        try:
+            train()
+        finally:
+            pipe.close()
+    else:
+        train()  # the pipe left open: closed at exit
+
+
 def report_and_exit(folder: str, pipe: embedpipe.EmbeddingPipe, outcome: dict) -> None:
     """Close the pipe (its error, if any, goes into ``outcome``), write this rank's outcome to
     ``FOLDER/rankR.json`` and exit at once: a peer is gone, do not wait for it at exit."""
@@ -552,7 +587,8 @@ def serve_fails(folder: str) -> None:
 
 def mismatch(folder: str, how: str = "batch") -> None:
     """``batch``: rank 1 reads one batch more, then both step and close; ``step``: rank 0
-    closes before its first step, where rank 1 steps and reads on."""
+    closes before its first step, where rank 1 steps and reads on; ``unclosed``: only rank 1
+    steps, then both read a batch and go back through it."""
     path = os.path.join(folder, "table.zarr")
     model = offloaded_model(path)
     pipe = make_pipe(path, "sgd")
@@ -567,6 +603,8 @@ def mismatch(folder: str, how: str = "batch") -> None:
                 pipe.step()
             if how == "step" and dist.get_rank() == 1:
                 next(loader)
+            if how == "unclosed":
+                model(inputs_embeds=next(loader)["inputs_embeds"]).logits.sum().backward()
         finally:
             pipe.close()
     except Exception as e:
@@ -968,6 +1006,7 @@ if __name__ == "__main__":
     modes["two"] = two
     modes["owner_dies"] = owner_dies
     modes["held"] = held
+    modes["alone"] = alone
     modes["no_sync_plans"] = no_sync_plans
     modes["serve_fails"] = serve_fails
     modes[mode](folder, *args)

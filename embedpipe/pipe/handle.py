@@ -37,7 +37,7 @@ from .derived import watch
 from .placeholder import OffloadedEmbedding, finish_embeds, ignore_in_ddp, offloaded_embeddings
 from .rowscale import recorded_in_model, recorded_scale
 from .rowsource import check_not_trained_here, read_through, trainings, trains
-from .unclosed import close_when_collected
+from .unclosed import close_when_collected, leave_on
 
 CONSISTENCY = ("exact", "bounded")
 #: Where the table's owner runs: a thread of the training process, or a process of its own;
@@ -390,24 +390,26 @@ class EmbeddingPipe:
 
         If the writeback thread failed, the steps before the failure are still committed (the
         table's ``step`` says which) and the error is raised after that. If writing fails (a
-        full disk), the error is raised and ``close()`` can be called again later.
+        full disk), the error is raised and ``close()`` can be called again later. A table
+        shared by ranks commits nothing with an exception on its way (docs/reliability.md).
         """
-        try:
-            self._owner.close()
-        finally:
-            if self._owner.closed:
-                self._finalizer.detach()
+        self._close(sys.exc_info()[1], raise_errors=True)
 
     def __enter__(self) -> EmbeddingPipe:
         return self
 
-    def __exit__(self, exc_type: object, exc: object, *rest: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, *rest: object) -> None:
+        self._close(exc, raise_errors=exc_type is None)  # don't hide the error on its way
+
+    def _close(self, error: BaseException | None, raise_errors: bool) -> None:
+        left = leave_on(self._owner, error, repr(self))  # (NOTE [ A rank that fails alone ])
         try:
-            self._owner.close(raise_errors=exc_type is None)  # don't hide the error on its way
+            self._owner.close(raise_errors=raise_errors and not left)
         finally:
             if self._owner.closed:
                 self._finalizer.detach()
-                self._owner.correct(exc)  # what the error on its way said of the table
+                if not left:
+                    self._owner.correct(error)  # what the error on its way said of the table
 
     def __repr__(self) -> str:
         owner = self._owner

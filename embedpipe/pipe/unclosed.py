@@ -1,4 +1,4 @@
-"""Closing a pipe that the program never closed.
+"""Closing a pipe that the program never closed, or closed on an error.
 
 NOTE [ A pipe that is never closed ]
 The writeback thread holds the owner, and nothing in the owner points back at this handle, so a
@@ -10,11 +10,32 @@ still alive then, from ``threading._register_atexit``: the hook ``concurrent.fut
 shut its executors down, which runs before ``atexit`` hooks and after ours (last registered,
 first run), so a compressed table can still be written through zarr's executor. The commit of an
 uncompressed table uses plain file calls only.
+
+NOTE [ A rank that fails alone ]
+A pipe whose table is shared by the ranks of a process group commits at ``close()`` only with
+every rank: the ranks meet (a header on the pipe's own group) and commit together. A rank that
+fails alone (an exception in its own forward, a bad sample, Ctrl-C that reaches one rank first)
+closes its pipe on the way out, in ``with pipe:``'s exit or at interpreter exit, while the
+other ranks wait for it in the model's collectives (DDP's all-reduce, its buffer broadcast), on
+the default group: neither would ever reach the other's meeting, and the job would hang until
+the groups' timeout (30 minutes). Without embedpipe the failed rank's process would end, its
+sockets would close and the others' collectives would fail at once; with the owner in threads
+the others mostly meet its close at their next batch, but the owner process of a machine
+exchanges nothing between its ranks at a batch.
+
+So a sharded pipe closed with an exception on its way (``__exit__``'s, the one being handled
+in a ``finally`` or an ``except`` around ``close()``, the uncaught one at interpreter exit:
+``sys.last_value``) leaves instead: it meets no rank, commits nothing, and releases the table,
+which stays at its last checkpoint, as a crash leaves it (the other ranks raise
+``PeerLostError`` as its connections end). A ``RuntimeWarning`` says so, as the steps since the
+checkpoint are not kept even where every rank failed together. ``sys.exit(0)`` and a closed
+generator are not failures.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -37,7 +58,32 @@ _unclosed: set[weakref.finalize] = set()
 os.register_at_fork(after_in_child=_unclosed.clear)
 
 
+def leave_on(owner: Any, error: BaseException | None, description: str) -> bool:
+    """Whether the pipe's close leaves without a commit, ``error`` being on its way
+    (NOTE [ A rank that fails alone ]); if so, its ranks are told and a warning says so."""
+    shards = getattr(owner, "shards", None)
+    failed = error is not None and not isinstance(error, GeneratorExit)
+    if isinstance(error, SystemExit) and error.code in (0, None):
+        failed = False
+    if shards is None or owner.closed or not failed:
+        return False
+    shards.leave(error)
+    warnings.warn(
+        f"{description} closed with {type(error).__name__} on its way: "
+        f"{shards.describe()} leaves the sharded table without meeting the other ranks and "
+        "commits nothing; the table stays at its last checkpoint",
+        RuntimeWarning,
+        stacklevel=4,  # (close() or __exit__'s caller)
+    )
+    return True
+
+
+#: The uncaught exception that ends the program, at exit (``sys.last_value``).
+_exit_error: list[BaseException | None] = [None]
+
+
 def _close_all_at_exit() -> None:
+    _exit_error[0] = getattr(sys, "last_value", None)
     for finalizer in list(_unclosed):
         finalizer()
 
@@ -59,6 +105,9 @@ def _close_unclosed(owner: Any, description: str) -> None:
         # writeback, the zygote's answers): close() may wait for that very thread, so close
         # from a thread of its own
         threading.Thread(target=_close_unclosed, args=(owner, description)).start()
+        return
+    if leave_on(owner, _exit_error[0], description):
+        owner.close(raise_errors=False)
         return
     warnings.warn(
         f"{description} was not closed; closing it now (applied steps are committed). "

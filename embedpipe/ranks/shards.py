@@ -189,6 +189,10 @@ class Shards:
         self.machines = [[r] for r in range(self.size)]
         #: The first failure (a peer lost, ranks out of step): every later exchange raises it.
         self.lost: PeerLostError | ShardMismatchError | None = None
+        #: Headers this rank entered; ``at_header(headers, step)`` is told before each (the
+        #: step-sending rank of an owner process: NOTE [ Ranks out of step in an owner process ]).
+        self.headers = 0
+        self.at_header: Callable[[int, int], None] | None = None
         #: Bytes of ids, rows and gradients this rank sent to and received from the others,
         #: by exchange (``pipe.stats()``: ``rows_sent_bytes``, ...); headers not counted.
         self.bytes = dict.fromkeys(
@@ -280,6 +284,9 @@ class Shards:
         (values padded to one per rank), so that ranks out of step exchange headers they can
         compare: gloo aborts the process on a collective whose sizes differ between ranks."""
         padded = [*values, *[0] * (self.size - len(values))]
+        self.headers += 1
+        if self.at_header is not None and self.lost is None:
+            self.at_header(self.headers, step)
         mine = torch.tensor([doing, step, generation, *padded], dtype=torch.int64)
         parts = [torch.empty_like(mine) for _ in range(self.size)]
         self._call(_DOING[doing], lambda: dist.all_gather(parts, mine, group=self.group))
@@ -441,6 +448,15 @@ class Shards:
         total = torch.empty_like(out)
         total[torch.from_numpy(np.argsort(owner, kind="stable"))] = out  # back in id order
         return total
+
+    def leave(self, error: BaseException) -> None:
+        """This rank leaves on ``error`` and meets the others no more: its close commits
+        nothing (NOTE [ A rank that fails alone ] in ``pipe/unclosed.py``)."""
+        if self.lost is None:
+            self.lost = PeerLostError(
+                f"{self.describe()} left the sharded table on {type(error).__name__}, without "
+                "meeting the other ranks: the table stays at its last checkpoint"
+            )
 
     def begin(self, doing: int, step: int, generation: int) -> None:
         """The header of an exchange that moves no tensors (a checkpoint, a load, close)."""

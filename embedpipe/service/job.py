@@ -24,6 +24,22 @@ time for the whole job (``Job.lock``), as an in-process owner serves one loop:
 - **A rank that is gone** (its connection ends without a close) ends this process at once,
   without a commit: the table stays at its last checkpoint, and every other rank raises
   :class:`~embedpipe.errors.OwnerDiedError` at its next request.
+
+NOTE [ Ranks out of step in an owner process ]
+A rank that took a step rank 0 did not (``pipe.step()`` on one rank only) asks for its next
+batch after a step that rank 0 will not send: its request waits here. Rank 0 reads on, and at
+its backward enters the gradient's header on embedpipe's gloo group, where it waits for that
+rank: with the owner in threads the two would meet in a header and raise
+``ShardMismatchError``; here each would wait for the other until the group's timeout. So rank
+0 tells its owner process when it enters a header (``header``: how many it has entered, at
+which step; no reply), and every request says how many headers its rank has entered. A request
+that waits for a step rank 0 has not sent, while rank 0 waits in a header this rank has not
+reached, at an earlier step, can never be served (rank 0 sends no step until the rank joins
+it): it raises ``ShardMismatchError``, and the rank's pipe, closed on it, leaves, so rank 0's
+header fails as the rank's connections end (NOTE [ A rank that fails alone ] in
+``pipe/unclosed.py``). A request of a rank in step never meets that: a rank that has entered as
+many headers as rank 0 took the same steps before the last of them (the header compares them).
+Rank 0's close does the same (``closing``: it sends no more steps).
 """
 
 from __future__ import annotations
@@ -41,6 +57,9 @@ from ..ranks.shards import IN_STEP
 from ..store.table import Table
 from .channel import Channel, ChannelClosed, peer_of
 from .server import Server, become_owner
+
+#: Requests that do not wait for rank 0's steps.
+UNWAITED = ("open", "join", "submit", "closing", "header")
 
 
 class Job:
@@ -60,6 +79,8 @@ class Job:
         #: Rank 0 closes its pipe after this many steps: a rank waiting for a later one raises
         #: (it would wait for good, while rank 0 waits for it at the close)
         self.final_steps: int | None = None
+        #: (headers entered, step) of rank 0's last header (the NOTE)
+        self.header: tuple[int, int] | None = None
 
     def wait_for(self, ready: Callable[[], bool]) -> None:
         """``lock.wait_for(ready)`` (with ``lock`` held), or ``ChannelClosed`` once the job
@@ -67,6 +88,22 @@ class Job:
         self.lock.wait_for(lambda: self.failed or ready())
         if self.failed:
             raise ChannelClosed("another rank of the job is gone")
+
+    def stranded(self, message: dict[str, Any]) -> str | None:
+        """Why the request ``message``, waiting for a step rank 0 has not sent, never will be
+        served (NOTE [ Ranks out of step in an owner process ]), or None."""
+        if self.final_steps is not None:
+            return f"rank 0 closed its pipe after step {self.final_steps}"
+        entered = message.get("headers")
+        if self.header is not None and entered is not None:
+            headers, step = self.header
+            if headers > entered and step < message.get("after", 0):
+                return (
+                    f"rank 0 waits at step {step} in an exchange with the other ranks that "
+                    f"this rank has not reached (rank 0's exchange {headers}, this rank's "
+                    f"{entered + 1})"
+                )
+        return None
 
     def submitted(self) -> int:
         writeback = self.owner.writeback if self.owner is not None else None
@@ -132,17 +169,17 @@ class RankServer(Server):
                     lambda: (
                         job.submitted() >= after
                         or job.done.get(key, (0,))[0] >= nth
-                        or job.final_steps is not None
+                        or job.stranded(message) is not None
                     )
                 )
-            elif op not in ("open", "join", "submit", "closing"):  # rank 0's steps up to ours
-                job.wait_for(lambda: job.submitted() >= after or job.final_steps is not None)
-            waited = op not in ("open", "join", "submit", "closing") and job.submitted() < after
-            if waited and (op != "load" or job.done.get(key, (0,))[0] < nth):  # rank 0 closed
+            elif op not in UNWAITED:  # rank 0's steps up to ours
+                job.wait_for(lambda: job.submitted() >= after or job.stranded(message) is not None)
+            waited = op not in UNWAITED and job.submitted() < after
+            if waited and (op != "load" or job.done.get(key, (0,))[0] < nth):  # never served
                 raise ShardMismatchError(
                     f"the ranks of the table {job.owner.table.path} are out of step: rank "
-                    f"{self.rank}'s request ({op}) comes after step {after}, and rank 0 "
-                    f"closed its pipe after step {job.submitted()}. {IN_STEP}"
+                    f"{self.rank}'s request ({op}) waits for step {after}, and "
+                    f"{job.stranded(message)}. {IN_STEP}"
                 )
             warnings.showwarning = self._keep_warning  # the owner's warnings go to this rank
             super().handle(op, message, arrays, fds)
@@ -166,6 +203,11 @@ class RankServer(Server):
             raise RuntimeError(f"rank {self.rank} sent a step: only rank 0 sends the job's steps")
         self.job.final_steps = None  # (a close that failed, and training went on)
         super().do_submit(m, arrays, fds)
+
+    def do_header(self, m: dict[str, Any], arrays: list, fds: list) -> None:
+        """Rank 0 enters a header (no reply; NOTE [ Ranks out of step in an owner process ])."""
+        if self.rank == 0:
+            self.job.header = (m["headers"], m["step"])
 
     def do_closing(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         """A rank is about to close (no reply); rank 0: it sends no more steps."""

@@ -88,6 +88,18 @@ class RankOwner(RemoteOwner):
         self.owned = shards.owned
         #: (steps submitted, generation) when every machine's owner last wrote its rows
         self.written = (self.submitted, self.generation)
+        if shards.first_of_machine and len(shards.machines[shards.shard]) > 1:
+            shards.at_header = self._at_header  # NOTE [ Ranks out of step in an owner process ]
+
+    def _request(self, message: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        message.setdefault("headers", self.shards.headers)  # (NOTE in job.py, as above)
+        return super()._request(message, *args, **kwargs)
+
+    def _at_header(self, headers: int, step: int) -> None:
+        """This rank sends its machine's steps: it tells its owner process that it enters a
+        header, so that a rank waiting there for a step it will not send raises."""
+        if not self.closed:
+            self._request({"op": "header", "headers": headers, "step": step}, reply=False)
 
     def _open(self, opening: dict[str, Any]) -> Any:
         """The first rank of each machine starts the machine's owner process: rank 0 first,

@@ -346,17 +346,46 @@ def test_a_batch_held_across_a_load_and_a_step_reads_every_shards_rows_as_they_a
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["batch", "step"])
+@pytest.mark.parametrize("how", ["batch", "step", "unclosed"])
 @pytest.mark.parametrize("owner", ["thread", "process"])
 def test_ranks_out_of_step_raise_on_every_rank(tmp_path, owner, how):
     """With one owner process, found by a red-team probe: a rank out of step waited in a request
     to the owner (a close; a batch for a step rank 0 never sends) while the other waited for it
-    in the gradient's exchange, until the 30-minute timeout."""
+    in the gradient's exchange, until the 30-minute timeout. With one owner process, a rank
+    whose request can never be served (``step``: rank 0 closed; ``unclosed``: rank 0 waits in
+    the gradient's header, NOTE [ Ranks out of step in an owner process ]) raises there and
+    leaves (NOTE [ A rank that fails alone ]); rank 0, waiting for it, loses it."""
     procs = launch("mismatch", str(tmp_path), how, env={"PIPE_OWNER": owner})
     outcomes = _outcomes(tmp_path, procs, [0, 1], limit=120)
-    for outcome in outcomes:
+    for rank, outcome in enumerate(outcomes):
+        if how in ("step", "unclosed") and owner == "process" and rank == 0:
+            assert outcome["error"] == "PeerLostError", outcome
+            continue
         assert outcome["error"] == "ShardMismatchError", outcome
         assert "out of step" in outcome["message"], outcome
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["with", "finally", "exit"])
+@pytest.mark.parametrize("owner", ["thread", "process"])
+def test_a_rank_that_fails_alone_ends_the_job_at_the_last_checkpoint(tmp_path, owner, how):
+    """Found by a Ctrl-C probe under torchrun: rank 1 failed and closed its pipe, meeting the
+    other ranks at the close, while rank 0 waited for it in DDP's collectives; with one owner
+    process a machine, both waited until the 30-minute timeout. It now leaves without a commit
+    (NOTE [ A rank that fails alone ]): every rank ends, the table at its last checkpoint."""
+    procs = launch("alone", str(tmp_path), how, env={"PIPE_OWNER": owner})
+    try:
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode != 0 and "ValueError: rank 1 fails alone" in errors[1], errors[1]
+    assert "leaves the sharded table without meeting the other ranks" in errors[1], errors[1]
+    assert procs[0].returncode != 0, errors[0][-3000:]  # the peer's loss, raised
+    table = embedpipe.Table.open(tmp_path / "table.zarr")
+    assert table.step == 2
+    assert torch.equal(table.to_tensor(), torch.load(tmp_path / "checkpoint.pt"))
+    embedpipe.Table.open(tmp_path / "table.zarr", "r+").close()  # and the lock is free
 
 
 SCENARIOS = (None, "lr", "padding_idx")  # the same pipe; or rank 1 differs in this option

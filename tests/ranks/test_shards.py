@@ -3,15 +3,18 @@ the slow group): shard bounds, and the collectives on a process group of one ran
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import os
+import warnings
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
+import embedpipe
 from embedpipe.ranks.shards import COMMIT, Shards, process_group, split
 
 
@@ -208,3 +211,80 @@ def test_rows_of_machines_whose_ranks_interleave_come_from_their_own_machine(tmp
     for rank in range(5):
         _, _, right, outside = out[rank]
         assert right and not outside, (rank, out[rank])
+
+
+def _train_two_steps(path, owner: str, group, leave_with) -> None:
+    """A checkpoint after one step, a second step, then ``leave_with`` leaves the pipe."""
+    pipe = embedpipe.EmbeddingPipe(
+        path, cache_rows=8, optimizer=embedpipe.optim.SGD(lr=1.0), process_group=group, owner=owner
+    )
+    batches = iter(pipe.loader([{"input_ids": torch.tensor([5, 20, 7])}] * 4, batch_size=1))
+    for step in range(2):
+        next(batches)["inputs_embeds"].sum().backward()
+        pipe.step()
+        if step == 0:
+            pipe.checkpoint()
+    leave_with(pipe)
+
+
+def _raise_in_with(pipe) -> None:
+    with pipe:
+        raise ValueError("this rank fails")
+
+
+def _raise_with_finally(pipe) -> None:
+    try:
+        raise ValueError("this rank fails")
+    finally:
+        pipe.close()
+
+
+def _exit_0_in_with(pipe) -> None:
+    with pipe:
+        raise SystemExit(0)
+
+
+def _close_a_generator_in_with(pipe) -> None:
+    def steps():
+        with pipe:
+            yield
+
+    generator = steps()
+    next(generator)
+    generator.close()  # GeneratorExit through the with
+
+
+#: How the pipe is left, and the table's step after it (1: the checkpoint; 2: committed).
+LEAVES = {
+    _raise_in_with: 1,
+    _raise_with_finally: 1,
+    _exit_0_in_with: 2,
+    _close_a_generator_in_with: 2,
+}
+
+
+@pytest.mark.parametrize("leave_with", LEAVES, ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("owner", ["thread", "process"])
+def test_a_sharded_pipe_closed_with_an_exception_on_its_way_commits_nothing(
+    group, tmp_path, owner, leave_with
+):
+    """NOTE [ A rank that fails alone ]: a sharded pipe closed with a failure on its way leaves
+    without meeting the other ranks (who may wait for it in the model's collectives), the table
+    at its last checkpoint, and says so; sys.exit(0) and a closed generator close it as usual.
+    The 2-rank launches are in test_distributed.py."""
+    path = tmp_path / "t.zarr"
+    with embedpipe.Table.create(path, 32, 4, chunk_rows=8) as created:
+        row = created.read(np.array([5]))[0]
+    leaves = LEAVES[leave_with] == 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError) if leaves else contextlib.suppress(SystemExit):
+            _train_two_steps(path, owner, group, leave_with)
+    said = [str(w.message) for w in caught if "without meeting" in str(w.message)]
+    assert len(said) == leaves, said
+    table = embedpipe.Table.open(path)
+    assert table.step == LEAVES[leave_with]
+    for _ in range(LEAVES[leave_with]):
+        row = row - np.float32(1.0)  # SGD at lr 1, the row once in each batch
+    assert np.array_equal(table.read(np.array([5]))[0], row)
+    embedpipe.Table.open(path, "r+").close()  # and the lock is free
