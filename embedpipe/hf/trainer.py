@@ -109,6 +109,7 @@ class Trainer(transformers.Trainer):
             else:
                 args = (args[0], arguments, *args[2:])
         self._checkpointing = False
+        self._made_at = pipe_step(pipe)  # the table's step as this Trainer found it
         super().__init__(*args, **kwargs)
         self._meter = PipeMeter(pipe)
         evaluated = self.eval_dataset
@@ -130,6 +131,24 @@ class Trainer(transformers.Trainer):
                 "False}): each process then reads its own share of the stream, with or without "
                 "embedpipe"
             )
+
+    def train(self, resume_from_checkpoint: Any = None, trial: Any = None, **kwargs: Any) -> Any:
+        """Trainer's ``train``. With ``model_init`` (a new model for each run: each ``train()``,
+        each trial of ``hyperparameter_search``), a run that does not resume from a checkpoint
+        raises where the table has stepped since this Trainer was made: its rows are no longer
+        the ones ``model_init``'s embeddings would start from."""
+        stepped = pipe_step(self.pipe)
+        if self.model_init is not None and not resume_from_checkpoint and stepped != self._made_at:
+            raise ValueError(
+                f"Trainer(model_init=...) starts each run (train(), a trial of "
+                f"hyperparameter_search) from a new model, but the table {self.pipe.table.path} "
+                f"keeps the rows and optimizer state trained since this Trainer was made (step "
+                f"{self._made_at}, now {stepped}): with nn.Embedding this run would start from "
+                "model_init's embeddings. Give each run a table of its own (a new offload, pipe "
+                "and Trainer), or load the table's snapshot of that step first "
+                "(pipe.load_checkpoint)"
+            )
+        return super().train(resume_from_checkpoint, trial, **kwargs)
 
     # ----------------------------------------------------------------------------- data
     # Trainer's three loader getters, each as transformers (5.x) writes it, building the loader
