@@ -37,7 +37,8 @@ from .derived import watch
 from .placeholder import OffloadedEmbedding, finish_embeds, ignore_in_ddp, offloaded_embeddings
 from .rowscale import recorded_in_model, recorded_scale
 from .rowsource import check_not_trained_here, read_through, trainings, trains
-from .unclosed import close_when_collected, leave_on
+from .unclosed import close as close_pipe
+from .unclosed import close_when_collected
 
 CONSISTENCY = ("exact", "bounded")
 #: Where the table's owner runs: a thread of the training process, or a process of its own;
@@ -393,23 +394,14 @@ class EmbeddingPipe:
         full disk), the error is raised and ``close()`` can be called again later. A table
         shared by ranks commits nothing with an exception on its way (docs/reliability.md).
         """
-        self._close(sys.exc_info()[1], raise_errors=True)
+        close_pipe(self._owner, self._finalizer, sys.exc_info()[1], True, repr(self))
 
     def __enter__(self) -> EmbeddingPipe:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, *rest: object) -> None:
-        self._close(exc, raise_errors=exc_type is None)  # don't hide the error on its way
-
-    def _close(self, error: BaseException | None, raise_errors: bool) -> None:
-        left = leave_on(self._owner, error, repr(self))  # (NOTE [ A rank that fails alone ])
-        try:
-            self._owner.close(raise_errors=raise_errors and not left)
-        finally:
-            if self._owner.closed:
-                self._finalizer.detach()
-                if not left:
-                    self._owner.correct(error)  # what the error on its way said of the table
+        raise_errors = exc_type is None  # don't hide the error on its way
+        close_pipe(self._owner, self._finalizer, exc, raise_errors, repr(self))
 
     def __repr__(self) -> str:
         owner = self._owner

@@ -28,8 +28,11 @@ in a ``finally`` or an ``except`` around ``close()``, the uncaught one at interp
 ``sys.last_value``) leaves instead: it meets no rank, commits nothing, and releases the table,
 which stays at its last checkpoint, as a crash leaves it (the other ranks raise
 ``PeerLostError`` as its connections end). A ``RuntimeWarning`` says so, as the steps since the
-checkpoint are not kept even where every rank failed together. ``sys.exit(0)`` and a closed
-generator are not failures.
+checkpoint are not kept even where every rank failed together. Not failures: ``sys.exit(0)``,
+the end of a loop or a generator (``StopIteration``, ``GeneratorExit``), and the error of an
+earlier ``close()`` (its retry, a full disk freed, commits). Not seen: ``sys.exit(1)`` at
+interpreter exit (a ``SystemExit`` sets nothing that an exit hook can read), so a pipe left
+open by a program that ends that way meets the other ranks; ``with pipe:`` sees it.
 """
 
 from __future__ import annotations
@@ -58,14 +61,32 @@ _unclosed: set[weakref.finalize] = set()
 os.register_at_fork(after_in_child=_unclosed.clear)
 
 
-def leave_on(owner: Any, error: BaseException | None, description: str) -> bool:
+def close(
+    owner: Any,
+    finalizer: weakref.finalize,
+    error: BaseException | None,
+    raise_errors: bool,
+    description: str,
+) -> None:
+    """The pipe's ``close()``, ``error`` on its way (NOTE [ A rank that fails alone ])."""
+    left = leave_on(owner, error, description, stacklevel=4)
+    try:
+        owner.close(raise_errors=raise_errors and not left)
+    except BaseException as e:
+        e._raised_by_close = True  # type: ignore[attr-defined]  # (a close() again commits)
+        raise
+    finally:
+        if owner.closed:
+            finalizer.detach()
+            if not left:
+                owner.correct(error)  # what the error on its way said of the table
+
+
+def leave_on(owner: Any, error: BaseException | None, description: str, stacklevel: int) -> bool:
     """Whether the pipe's close leaves without a commit, ``error`` being on its way
     (NOTE [ A rank that fails alone ]); if so, its ranks are told and a warning says so."""
     shards = getattr(owner, "shards", None)
-    failed = error is not None and not isinstance(error, GeneratorExit)
-    if isinstance(error, SystemExit) and error.code in (0, None):
-        failed = False
-    if shards is None or owner.closed or not failed:
+    if shards is None or owner.closed or not _failure(error):
         return False
     shards.leave(error)
     warnings.warn(
@@ -73,17 +94,29 @@ def leave_on(owner: Any, error: BaseException | None, description: str) -> bool:
         f"{shards.describe()} leaves the sharded table without meeting the other ranks and "
         "commits nothing; the table stays at its last checkpoint",
         RuntimeWarning,
-        stacklevel=4,  # (close() or __exit__'s caller)
+        stacklevel=stacklevel,
     )
     return True
 
 
-#: The uncaught exception that ends the program, at exit (``sys.last_value``).
+def _failure(error: BaseException | None) -> bool:
+    """Whether ``error`` is a failure: not the end of a loop or a generator, a successful
+    ``sys.exit``, nor the error of an earlier ``close()`` that the program retries."""
+    if error is None or isinstance(error, (GeneratorExit, StopIteration, StopAsyncIteration)):
+        return False
+    if isinstance(error, SystemExit) and error.code in (0, None):
+        return False
+    return not getattr(error, "_raised_by_close", False)
+
+
+#: The uncaught exception that ends the program, at exit (``sys.last_value``; not in an
+#: interactive session, where it is the last error shown, however long ago).
 _exit_error: list[BaseException | None] = [None]
 
 
 def _close_all_at_exit() -> None:
-    _exit_error[0] = getattr(sys, "last_value", None)
+    interactive = hasattr(sys, "ps1") or sys.flags.interactive or "ipykernel" in sys.modules
+    _exit_error[0] = None if interactive else getattr(sys, "last_value", None)
     for finalizer in list(_unclosed):
         finalizer()
 
@@ -106,7 +139,7 @@ def _close_unclosed(owner: Any, description: str) -> None:
         # from a thread of its own
         threading.Thread(target=_close_unclosed, args=(owner, description)).start()
         return
-    if leave_on(owner, _exit_error[0], description):
+    if leave_on(owner, _exit_error[0], description, stacklevel=2):
         owner.close(raise_errors=False)
         return
     warnings.warn(

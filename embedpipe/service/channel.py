@@ -32,6 +32,9 @@ _PREFIX = struct.Struct("!QQ")
 POLL_SECONDS = 0.1
 #: Socket buffers large enough for a batch's rows in a few system calls.
 BUFFER_BYTES = 4 << 20
+#: Requests sent without waiting for a reply: the owner never answers one; its error (or one
+#: kept for the next request) is the next request's reply.
+NO_REPLY = frozenset({"submit", "closing", "header", "drawn", "end_stream"})
 
 
 class ChannelClosed(ConnectionError):

@@ -318,9 +318,9 @@ class RemoteOwner:
         self.check_open()
         if self.gradient is not None:
             self.gradient.clear()
-        (self.generation, self.submitted), _, _ = self._request(
-            {"op": "load", "folder": source.path}
-        )
+        loaded, _, _ = self._request({"op": "load", "folder": source.path})
+        self.generation, self.submitted = loaded
+        self._committed(None)  # this process's handle: the table's step, its checkpoints
 
     def close(self, raise_errors: bool = True) -> None:
         """Commit and stop the owner process, then take the table back (as ``Owner.close``)."""

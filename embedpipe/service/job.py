@@ -38,7 +38,9 @@ reached, at an earlier step, can never be served (rank 0 sends no step until the
 it): it raises ``ShardMismatchError``, and the rank's pipe, closed on it, leaves, so rank 0's
 header fails as the rank's connections end (NOTE [ A rank that fails alone ] in
 ``pipe/unclosed.py``). A request of a rank in step never meets that: a rank that has entered as
-many headers as rank 0 took the same steps before the last of them (the header compares them).
+many headers as rank 0 took the same steps before the last of them (the header compares them;
+a request's step count is read before its header count, so another thread's request, made
+while its rank enters a header and steps, is never taken for one behind).
 Rank 0's close does the same (``closing``: it sends no more steps).
 """
 
@@ -55,11 +57,11 @@ from typing import Any
 from ..errors import ShardMismatchError
 from ..ranks.shards import IN_STEP
 from ..store.table import Table
-from .channel import Channel, ChannelClosed, peer_of
+from .channel import NO_REPLY, Channel, ChannelClosed, peer_of
 from .server import Server, become_owner
 
 #: Requests that do not wait for rank 0's steps.
-UNWAITED = ("open", "join", "submit", "closing", "header")
+UNWAITED = ("open", "join", *NO_REPLY)
 
 
 class Job:

@@ -92,7 +92,8 @@ class RankOwner(RemoteOwner):
             shards.at_header = self._at_header  # NOTE [ Ranks out of step in an owner process ]
 
     def _request(self, message: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        message.setdefault("headers", self.shards.headers)  # (NOTE in job.py, as above)
+        message.setdefault("after", self.submitted)  # first: a rank that steps meanwhile has
+        message.setdefault("headers", self.shards.headers)  # entered a header more (NOTE)
         return super()._request(message, *args, **kwargs)
 
     def _at_header(self, headers: int, step: int) -> None:
@@ -341,6 +342,7 @@ class RankOwner(RemoteOwner):
         shards.agree(error, f"opening the files of the snapshot {source.path}")
         self.generation, self.submitted = generation, step
         self.written = (self.submitted, self.generation)  # the files are the snapshot
+        self._committed(None)  # this rank's handle: the table's step, its checkpoints
 
     def close(self, raise_errors: bool = True) -> None:
         """The ranks meet first, so that ranks out of step raise where one would wait for good

@@ -70,7 +70,7 @@ from ..store.lock import WriterLock
 from ..store.mapped import map_writes
 from ..store.table import Table
 from ..worker.looked_up import LookedUp
-from .channel import Channel, ChannelClosed
+from .channel import NO_REPLY, Channel, ChannelClosed
 from .transfer import Transfer
 
 #: How often the owner process looks whether its training process is still its parent.
@@ -157,7 +157,7 @@ class Server:
                 self.rings.pop(ring, None)
             op = message.pop("op", None)
             try:
-                if self.later is not None and op not in ("submit", "closing", "close"):
+                if self.later is not None and op not in NO_REPLY and op != "close":
                     error, self.later = self.later, None
                     raise error
                 self.handle(op, message, arrays, fds)
@@ -167,7 +167,7 @@ class Server:
                 for fd in fds:  # descriptors no handler took
                     with contextlib.suppress(OSError):
                         os.close(fd)
-                if op in ("submit", "closing"):  # no reply to give it to: the next request's
+                if op in NO_REPLY:  # no reply to give it to: the next request's
                     self.later = self.later or e
                 else:
                     self.reply_error(e)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from unittest.mock import Mock
@@ -25,6 +27,8 @@ from embedpipe.errors import (
     TableLockedError,
 )
 from embedpipe.pipe import EmbeddingPipe
+from embedpipe.service.channel import NO_REPLY, Channel, ChannelClosed
+from embedpipe.service.job import Job, RankServer
 
 from ..helpers import slow, tiny_model, train_offloaded, train_reference, zipf_dataset
 
@@ -115,7 +119,9 @@ def test_checkpoints_snapshots_and_reads_go_through_the_owner_process(tmp_path, 
                 pipe.save_checkpoint(tmp_path / "at-4")
             with pytest.raises(TableLockedError, match=f"pid {os.getpid()}"):
                 embedpipe.Table.open(path, "r+")  # lent to the owner process, held all along
+            assert pipe.checkpoint().step == table.step == 8
             pipe.load_checkpoint(tmp_path / "at-4")
+            assert table.step == 4  # (found by a probe: it said 8 until the pipe closed)
             assert np.array_equal(table.read(np.arange(1000)), saved)
         assert pipe.stats()["steps"] == 8 - 4  # counted since the pipe opened, after the load
         assert table.step == 4  # this handle took the lock back and sees the owner's commit
@@ -351,3 +357,28 @@ def test_two_threads_claiming_through_one_owner_process_get_their_own_rows(tmp_p
         for t in threads:
             t.join(60)
     assert len(claimed) == 20 and wrong == []
+
+
+def test_a_request_sent_without_waiting_never_gets_a_reply(tmp_path):
+    """Found by review: with a step's error kept for the next request (a full disk), the owner
+    replied to the next no-reply message (rank 0's header, a loader's draw) with it, so the
+    request after read that reply for its own and every later one the reply before it."""
+    mine, theirs = socket.socketpair()
+    server = RankServer(Channel(mine), Job(2), 0)
+    server.later = OSError(28, "No space left on device")
+
+    def serve() -> None:
+        with contextlib.suppress(ChannelClosed):  # (the test's end)
+            server.run()
+
+    threading.Thread(target=serve, daemon=True).start()
+    client = Channel(theirs)
+    for op in sorted(NO_REPLY - {"submit"}):  # (a submit needs an owner to step)
+        client.send({"op": op, "after": 0, "headers": 1, "step": 0, "source": 0, "number": 0})
+    client.send({"op": "stats", "after": 0})
+    answer, _, _ = client.receive()
+    assert isinstance(answer["error"], OSError) and answer["error"].errno == 28, answer
+    theirs.settimeout(1.0)
+    with pytest.raises(TimeoutError):  # the one reply: to the request
+        client.receive()
+    theirs.close()
