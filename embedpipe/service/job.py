@@ -40,7 +40,8 @@ header fails as the rank's connections end (NOTE [ A rank that fails alone ] in
 ``pipe/unclosed.py``). A request of a rank in step never meets that: a rank that has entered as
 many headers as rank 0 took the same steps before the last of them (the header compares them;
 a request's step count is read before its header count, so another thread's request, made
-while its rank enters a header and steps, is never taken for one behind).
+while its rank enters a header and steps, is never taken for one behind; and steps counted
+before a snapshot's load are not compared with those counted after it).
 Rank 0's close does the same (``closing``: it sends no more steps).
 """
 
@@ -81,8 +82,8 @@ class Job:
         #: Rank 0 closes its pipe after this many steps: a rank waiting for a later one raises
         #: (it would wait for good, while rank 0 waits for it at the close)
         self.final_steps: int | None = None
-        #: (headers entered, step) of rank 0's last header (the NOTE)
-        self.header: tuple[int, int] | None = None
+        #: (headers entered, step, snapshots loaded) at rank 0's last header (the NOTE)
+        self.header: tuple[int, int, int] | None = None
 
     def wait_for(self, ready: Callable[[], bool]) -> None:
         """``lock.wait_for(ready)`` (with ``lock`` held), or ``ChannelClosed`` once the job
@@ -98,8 +99,8 @@ class Job:
             return f"rank 0 closed its pipe after step {self.final_steps}"
         entered = message.get("headers")
         if self.header is not None and entered is not None:
-            headers, step = self.header
-            if headers > entered and step < message.get("after", 0):
+            headers, step, loaded = self.header  # (steps count again from a load's)
+            if headers > entered and step < message["after"] and loaded == message["loaded"]:
                 return (
                     f"rank 0 waits at step {step} in an exchange with the other ranks that "
                     f"this rank has not reached (rank 0's exchange {headers}, this rank's "
@@ -209,7 +210,7 @@ class RankServer(Server):
     def do_header(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         """Rank 0 enters a header (no reply; NOTE [ Ranks out of step in an owner process ])."""
         if self.rank == 0:
-            self.job.header = (m["headers"], m["step"])
+            self.job.header = (m["headers"], m["step"], m["loaded"])
 
     def do_closing(self, m: dict[str, Any], arrays: list, fds: list) -> None:
         """A rank is about to close (no reply); rank 0: it sends no more steps."""

@@ -94,6 +94,7 @@ class RankOwner(RemoteOwner):
     def _request(self, message: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         message.setdefault("after", self.submitted)  # first: a rank that steps meanwhile has
         message.setdefault("headers", self.shards.headers)  # entered a header more (NOTE)
+        message.setdefault("loaded", self.generation)  # (steps counted since that load)
         return super()._request(message, *args, **kwargs)
 
     def _at_header(self, headers: int, step: int) -> None:
