@@ -15,15 +15,20 @@ import torch
 # that steps the table is marked (a key its state_dict carries). At its optimizer's first step a
 # group is taken as loaded where the optimizer holds state of a step (a state dict saved before
 # the mark; torch's Adagrad makes its state at step 0 when built, which is not one). An unmarked
-# group that steps a table whose row optimizer remembers steps raises, unless it keeps no state
-# of its own (SGD without momentum: none to tell a new one by).
+# group that steps a table whose row optimizer remembers steps raises. One exception: a group
+# that keeps no state of its own (SGD without momentum), made before the table took a step in
+# this process (since it was opened or loaded): a loop resumed in a new process builds its SGD
+# anew and loads nothing into it, and nothing tells it from a new one. Made after such a step
+# (a second Trainer, Lightning's configure_optimizers at a second fit), it raises as any.
 STEPPED = "embedpipe_stepped"
 
 
-def refuse_fresh_state(optimizer: Any, group: dict[str, Any], steps: int) -> None:
-    """Raise if ``group``, unmarked (or marked with why), steps a table remembering ``steps``."""
-    mark, sgd = group.get(STEPPED), isinstance(optimizer, torch.optim.SGD)
-    if steps and mark is not True and not (sgd and not group.get("momentum")):
+def refuse_fresh_state(optimizer: Any, group: dict[str, Any], steps: int, here: int) -> None:
+    """Raise if ``group``, unmarked (or marked with why), steps a table remembering ``steps``,
+    ``here`` of them taken in this process since the table was opened or loaded."""
+    mark = group.get(STEPPED)
+    stateless = isinstance(optimizer, torch.optim.SGD) and not group.get("momentum")
+    if steps and mark is not True and not (stateless and not isinstance(mark, str) and not here):
         raise RuntimeError(
             mark if isinstance(mark, str) else f"this {type(optimizer).__name__} steps the "
             f"embedding table for the first time, and the table keeps the state of {steps} "

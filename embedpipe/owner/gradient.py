@@ -107,6 +107,7 @@ class TableGradient:
         self.base_lr, self.check, self.on_step = optimizer.lr, check, on_step
         self.backwards = 0  # backward passes added since the last step
         self.steps = 0  # steps taken
+        self.loaded_at = 0  # self.steps at the last load_checkpoint (the steps since: here)
         self.stepped = remembered_steps(table.metadata, optimizer)  # (NOTE [ A new optimizer...)
         self.remembers = optimizer.remembers()
         self._warned = False
@@ -308,7 +309,8 @@ class TableGradient:
         grad = self.parameter.grad
         if grad is None or self.ids is None:
             return  # torch skips a parameter with no .grad
-        refuse_fresh_state(optimizer, group, self.stepped + self.steps if self.remembers else 0)
+        remembered = self.stepped + self.steps if self.remembers else 0
+        refuse_fresh_state(optimizer, group, remembered, here=self.steps - self.loaded_at)
         live = self.live()
         scale = getattr(optimizer, "grad_scale", None)  # GradScaler, and a fused optimizer
         if scale is not None and live:

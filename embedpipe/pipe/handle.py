@@ -381,6 +381,7 @@ class EmbeddingPipe:
         )
         self._owner.load(source)
         gradient.stepped = remembered - gradient.steps  # (NOTE [ A new optimizer and the ...)
+        gradient.loaded_at = gradient.steps
 
     def close(self) -> None:
         """Apply what is queued, write every updated row, commit a checkpoint, stop the writeback

@@ -131,8 +131,10 @@ def test_a_closure_step_takes_the_gradient_the_closure_made(tmp_path):
                 closure()
                 return closure()
 
+        twice = Twice([pipe.parameter], lr=LR)
+        twice.load_state_dict(optimizer.state_dict())  # (a new one would raise, unloaded)
         with pytest.raises(RuntimeError, match="called its closure twice"):
-            Twice([pipe.parameter], lr=LR).step(closure)
+            twice.step(closure)
         with pytest.raises(RuntimeError, match="LBFGS"):
             torch.optim.LBFGS([pipe.parameter]).step(closure)
 
