@@ -109,8 +109,9 @@ class Trainer(transformers.Trainer):
             else:
                 args = (args[0], arguments, *args[2:])
         self._checkpointing = False
-        self._made_at = pipe_step(pipe)  # the table's step as this Trainer found it
+        self._resuming: Any = None  # train()'s resume_from_checkpoint
         super().__init__(*args, **kwargs)
+        self._made_at = pipe_step(pipe)  # the table's step as this Trainer found it
         self._meter = PipeMeter(pipe)
         evaluated = self.eval_dataset
         if not isinstance(evaluated, dict):
@@ -132,23 +133,37 @@ class Trainer(transformers.Trainer):
                 "embedpipe"
             )
 
-    def train(self, resume_from_checkpoint: Any = None, trial: Any = None, **kwargs: Any) -> Any:
-        """Trainer's ``train``. With ``model_init`` (a new model for each run: each ``train()``,
-        each trial of ``hyperparameter_search``), a run that does not resume from a checkpoint
-        raises where the table has stepped since this Trainer was made: its rows are no longer
-        the ones ``model_init``'s embeddings would start from."""
-        stepped = pipe_step(self.pipe)
-        if self.model_init is not None and not resume_from_checkpoint and stepped != self._made_at:
+    def train(
+        self,
+        resume_from_checkpoint: Any = None,
+        trial: Any = None,
+        ignore_keys_for_eval: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        self._resuming = resume_from_checkpoint
+        try:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        finally:
+            self._resuming = None
+
+    def call_model_init(self, trial: Any = None) -> Any:
+        """Trainer's ``call_model_init``. A run's new model (each ``train()``, each trial of
+        ``hyperparameter_search``) that does not resume from a checkpoint raises where the
+        table has stepped since this Trainer was made (``model_init`` may load a snapshot of
+        that step first): its rows are no longer the ones the new model starts from."""
+        model = super().call_model_init(trial)
+        made_at, stepped = getattr(self, "_made_at", None), pipe_step(self.pipe)
+        if made_at is not None and not self._resuming and stepped != made_at:
             raise ValueError(
                 f"Trainer(model_init=...) starts each run (train(), a trial of "
                 f"hyperparameter_search) from a new model, but the table {self.pipe.table.path} "
                 f"keeps the rows and optimizer state trained since this Trainer was made (step "
-                f"{self._made_at}, now {stepped}): with nn.Embedding this run would start from "
-                "model_init's embeddings. Give each run a table of its own (a new offload, pipe "
-                "and Trainer), or load the table's snapshot of that step first "
-                "(pipe.load_checkpoint)"
+                f"{made_at}, now {stepped}): with nn.Embedding this run would start from "
+                "model_init's embeddings. Load the table's snapshot of that step in model_init "
+                "(pipe.load_checkpoint), or give each run a table of its own (a new offload, "
+                "pipe and Trainer)"
             )
-        return super().train(resume_from_checkpoint, trial, **kwargs)
+        return model
 
     # ----------------------------------------------------------------------------- data
     # Trainer's three loader getters, each as transformers (5.x) writes it, building the loader

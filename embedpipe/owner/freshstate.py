@@ -17,10 +17,27 @@ import torch
 # the mark; torch's Adagrad makes its state at step 0 when built, which is not one). An unmarked
 # group that steps a table whose row optimizer remembers steps raises. One exception: a group
 # that keeps no state of its own (SGD without momentum), made before the table took a step in
-# this process (since it was opened or loaded): a loop resumed in a new process builds its SGD
-# anew and loads nothing into it, and nothing tells it from a new one. Made after such a step
-# (a second Trainer, Lightning's configure_optimizers at a second fit), it raises as any.
+# this process (through any pipe, since a snapshot was last loaded into it here): a loop resumed
+# in a new process builds its SGD anew and loads nothing into it, and nothing tells it from a
+# new one. Made after such a step (a second Trainer, Lightning's configure_optimizers at a
+# second fit, a new pipe on the table for it), it raises as any.
 STEPPED = "embedpipe_stepped"
+
+#: Steps taken in this process, by table (its real path), since a snapshot was last loaded.
+_steps_here: dict[str, int] = {}
+
+
+def count_step(path: str) -> None:
+    _steps_here[path] = _steps_here.get(path, 0) + 1
+
+
+def loaded_here(path: str) -> None:
+    """A snapshot was loaded into the table at ``path`` (its real path)."""
+    _steps_here.pop(path, None)
+
+
+def steps_here(path: str) -> int:
+    return _steps_here.get(path, 0)
 
 
 def refuse_fresh_state(optimizer: Any, group: dict[str, Any], steps: int, here: int) -> None:

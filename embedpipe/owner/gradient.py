@@ -66,6 +66,7 @@ replaced (built before ``offload``) raises at its step: it can never reach the t
 from __future__ import annotations
 
 import gc
+import os
 import warnings
 import weakref
 from collections.abc import Callable
@@ -80,7 +81,7 @@ from torch.optim.optimizer import (
 
 from ..errors import EmbeddingsOffloadedError
 from ..store.layout import remembered_steps
-from .freshstate import STEPPED, has_stepped, refuse_fresh_state
+from .freshstate import STEPPED, count_step, has_stepped, refuse_fresh_state, steps_here
 
 #: Called with (ids (U,) CPU int64, grad (U, D) on the gradient's device, lr or None) per step.
 StepSink = Callable[[torch.Tensor, torch.Tensor, "float | None"], None]
@@ -107,7 +108,7 @@ class TableGradient:
         self.base_lr, self.check, self.on_step = optimizer.lr, check, on_step
         self.backwards = 0  # backward passes added since the last step
         self.steps = 0  # steps taken
-        self.loaded_at = 0  # self.steps at the last load_checkpoint (the steps since: here)
+        self.path = os.path.realpath(table.path)  # (the steps of this process: freshstate.py)
         self.stepped = remembered_steps(table.metadata, optimizer)  # (NOTE [ A new optimizer...)
         self.remembers = optimizer.remembers()
         self._warned = False
@@ -254,6 +255,7 @@ class TableGradient:
         self.clear()  # before it is queued: a signal in between loses it, never queues it twice
         self.on_step(ids, grad, lr)
         self.steps += 1
+        count_step(self.path)
         return True
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
@@ -310,7 +312,7 @@ class TableGradient:
         if grad is None or self.ids is None:
             return  # torch skips a parameter with no .grad
         remembered = self.stepped + self.steps if self.remembers else 0
-        refuse_fresh_state(optimizer, group, remembered, here=self.steps - self.loaded_at)
+        refuse_fresh_state(optimizer, group, remembered, here=steps_here(self.path))
         live = self.live()
         scale = getattr(optimizer, "grad_scale", None)  # GradScaler, and a fused optimizer
         if scale is not None and live:
@@ -327,6 +329,7 @@ class TableGradient:
         self._hide(taken=True)
         self.on_step(ids, taken, lr)
         self.steps += 1
+        count_step(self.path)
 
     def _hide(self, taken: bool) -> None:
         """Hide ``.grad`` from the optimizer stepping now (it skips a parameter without one);

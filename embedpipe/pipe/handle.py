@@ -23,6 +23,7 @@ from ..cache import budget
 from ..cache.policy import DEFAULT_WINDOW, make_policy
 from ..errors import DistributedNotSupportedError
 from ..optim import RowOptimizer
+from ..owner.freshstate import loaded_here
 from ..owner.owner import Owner
 from ..ranks.shard_owner import ShardOwner, open_shard
 from ..ranks.shards import DEFAULT_TIMEOUT, Shards
@@ -381,7 +382,7 @@ class EmbeddingPipe:
         )
         self._owner.load(source)
         gradient.stepped = remembered - gradient.steps  # (NOTE [ A new optimizer and the ...)
-        gradient.loaded_at = gradient.steps
+        loaded_here(gradient.path)
 
     def close(self) -> None:
         """Apply what is queued, write every updated row, commit a checkpoint, stop the writeback

@@ -37,6 +37,7 @@ open by a program that ends that way meets the other ranks; ``with pipe:`` sees 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -73,7 +74,8 @@ def close(
     try:
         owner.close(raise_errors=raise_errors and not left)
     except BaseException as e:
-        e._raised_by_close = True  # type: ignore[attr-defined]  # (a close() again commits)
+        with contextlib.suppress(Exception):  # (a close() again, its retry, commits)
+            e._raised_by_close = id(owner)  # type: ignore[attr-defined]
         raise
     finally:
         if owner.closed:
@@ -86,7 +88,7 @@ def leave_on(owner: Any, error: BaseException | None, description: str, stacklev
     """Whether the pipe's close leaves without a commit, ``error`` being on its way
     (NOTE [ A rank that fails alone ]); if so, its ranks are told and a warning says so."""
     shards = getattr(owner, "shards", None)
-    if shards is None or owner.closed or not _failure(error):
+    if shards is None or owner.closed or not _failure(error, owner):
         return False
     shards.leave(error)
     warnings.warn(
@@ -99,14 +101,15 @@ def leave_on(owner: Any, error: BaseException | None, description: str, stacklev
     return True
 
 
-def _failure(error: BaseException | None) -> bool:
+def _failure(error: BaseException | None, owner: Any) -> bool:
     """Whether ``error`` is a failure: not the end of a loop or a generator, a successful
-    ``sys.exit``, nor the error of an earlier ``close()`` that the program retries."""
+    ``sys.exit``, nor the error of an earlier ``close()`` of this pipe that the program
+    retries."""
     if error is None or isinstance(error, (GeneratorExit, StopIteration, StopAsyncIteration)):
         return False
     if isinstance(error, SystemExit) and error.code in (0, None):
         return False
-    return not getattr(error, "_raised_by_close", False)
+    return getattr(error, "_raised_by_close", None) != id(owner)
 
 
 #: The uncaught exception that ends the program, at exit (``sys.last_value``; not in an

@@ -92,9 +92,9 @@ class RankOwner(RemoteOwner):
             shards.at_header = self._at_header  # NOTE [ Ranks out of step in an owner process ]
 
     def _request(self, message: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        message.setdefault("after", self.submitted)  # first: a rank that steps meanwhile has
+        message.setdefault("loaded", self.generation)  # first: the steps count from its load
+        message.setdefault("after", self.submitted)  # then: a rank that steps meanwhile has
         message.setdefault("headers", self.shards.headers)  # entered a header more (NOTE)
-        message.setdefault("loaded", self.generation)  # (steps counted since that load)
         return super()._request(message, *args, **kwargs)
 
     def _at_header(self, headers: int, step: int) -> None:
