@@ -377,7 +377,7 @@ class TableGradient:
             )
         return self.base_lr * (lr / float(built))
 
-    def close(self, stacklevel: int = 5) -> None:
+    def close(self, stacklevel: int = 6) -> None:
         """Stop taking steps; a gradient still pending is not applied (warned, at the frame
         ``stacklevel`` up: the caller of ``pipe.close``)."""
         if self.pending:

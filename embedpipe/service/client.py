@@ -329,7 +329,7 @@ class RemoteOwner:
         if self.stream is not None:
             self.end_stream(self.stream)
         if self.gradient is not None:
-            self.gradient.close(stacklevel=4)  # the caller of pipe.close
+            self.gradient.close(stacklevel=5)  # the caller of pipe.close
         try:
             (self._last_stats,), _, _ = self._request({"op": "close", "raise_errors": raise_errors})
         except OwnerDiedError:

@@ -400,7 +400,7 @@ class RankOwner(RemoteOwner):
         if self.stream is not None:
             self.end_stream(self.stream)
         if self.gradient is not None:
-            self.gradient.close(stacklevel=5)
+            self.gradient.close(stacklevel=6)
         self._stop()
         self._take_table_back(died=True)
         self.machine = None
