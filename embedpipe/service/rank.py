@@ -350,6 +350,8 @@ class RankOwner(RemoteOwner):
         in its owner process for another that waits for it in an exchange; several machines:
         one last commit of every shard together (or none: the owners never commit on their
         own). Then each owner process is closed."""
+        if not self.closed and self.gradient is not None:
+            self.gradient.close(stacklevel=5)  # (its warning at the caller of pipe.close)
         if not self.closed and self.shards.lost is None and not self.met:
             try:
                 self._meet_at_close()
