@@ -209,7 +209,8 @@ def correct(owner: Owner, error: object) -> None:
     """A commit followed ``error`` (``close()`` after the writeback failed, or leaving the
     pipe's ``with`` block with the error on its way): a table write error said the table
     reopens at the checkpoint before it; make it say the step it reopens at now."""
-    if isinstance(error, TableWriteError) and error.strerror:
+    mine = f"of table {owner.table.path} "  # (an error of another table, being handled)
+    if isinstance(error, TableWriteError) and error.strerror and mine in error.strerror:
         failed = error.strerror.split("; the table reopens", 1)[0]
         if failed != error.strerror:
             error.strerror = (

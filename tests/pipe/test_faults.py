@@ -406,6 +406,19 @@ def test_an_exception_inside_a_cache_change_leaves_training_exact(tmp_path, func
     assert torch.equal(results[0], results[1])
 
 
+def test_a_close_while_another_tables_write_error_is_handled_leaves_its_message(path):
+    """Found in a read-through: close() in an except took the error being handled for its
+    own, and rewrote another table's write error to say where this table reopens."""
+    said = "a step of table /elsewhere.zarr at step 3 failed: No space left on device"
+    error = errors.TableWriteError(errno.ENOSPC, f"{said}; the table reopens at its last one")
+    pipe = EmbeddingPipe(path, owner="thread", cache_rows=4, optimizer=embedpipe.optim.SGD(lr=1))
+    try:
+        raise error
+    except errors.TableWriteError:
+        pipe.close()
+    assert error.strerror == f"{said}; the table reopens at its last one"
+
+
 @pytest.mark.timeout(120)
 def test_a_failed_state_write_inside_a_step_never_leaves_half_a_step(path, monkeypatch):
     from embedpipe.store import rowstore
