@@ -46,6 +46,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
 from transformers.utils import is_datasets_available
 
 from ..owner.freshstate import STEPPED
+from ..owner.groupsettings import refuse_unmatched_settings
 from ..pipe.handle import EmbeddingPipe
 from ..pipe.meter import PipeMeter
 from ..pipe.rowsource import pipe_step, rows_path
@@ -65,6 +66,11 @@ if is_datasets_available():
 
 #: The folder inside each of Trainer's checkpoint folders that holds the table's snapshot.
 TABLE_FOLDER = "embedpipe-table"
+#: How a Trainer leaves out a setting its optimizer would give the table (``groupsettings.py``).
+TRAINER_FIX = (
+    "Train with weight_decay=0 and no momentum in optim_args, or pass Trainer(optimizers=(your "
+    "optimizer, None)) with pipe.parameter in a group of its own without them"
+)
 
 
 class Trainer(transformers.Trainer):
@@ -279,7 +285,9 @@ class Trainer(transformers.Trainer):
             optimizer = super().create_optimizer(model)
         finally:
             parameter.requires_grad_(trains)
-        if trains:
+        if trains:  # its weight decay and momentum would move the embedding's every row
+            settings = {**optimizer.defaults, "weight_decay": self.args.weight_decay}
+            refuse_unmatched_settings(optimizer, settings, self.pipe.optimizer, fix=TRAINER_FIX)
             optimizer.add_param_group(
                 {"params": [parameter], "lr": self.pipe.optimizer.lr, "weight_decay": 0.0}
             )

@@ -140,16 +140,26 @@ def snapshot(owner: Owner, checkpoint: Checkpoint, folder: str) -> TableWriteErr
     return None
 
 
+# NOTE [ A load keeps the pending gradient ]
+# torch's load_state_dict (and Accelerate's load_state, Lightning's checkpoint load) sets the
+# weights and leaves every .grad as it is: a gradient accumulated before the load is applied,
+# to the loaded weights, by the next optimizer step. A load used to drop the table's pending
+# gradient instead, so a load_state in the middle of an accumulation group stepped the dense
+# weights with their whole group's gradient and the table with the part after the load only
+# (found by a probe: 2.7e-4 from nn.Embedding, silently). Now the table's stays pending too, in
+# every owner; the next step applies it to the snapshot's rows.
+
+
 def load(owner: Owner, source: Table) -> None:
     """Make the table the snapshot ``source`` (read-only, checked compatible by the pipe):
-    queued steps are applied first, then the cache is emptied without writing it back,
-    pending gradients are dropped, and the snapshot is committed as the newest checkpoint."""
+    queued steps are applied first, then the cache is emptied without writing it back, and
+    the snapshot is committed as the newest checkpoint. A gradient no step has taken stays
+    pending, as ``.grad`` stays when torch loads a state dict (NOTE [ A load keeps the pending
+    gradient ] above)."""
     owner.check_open()
     owner.cache._check()
     if owner.writeback is not None:
         owner.writeback.wait()
-    if owner.gradient is not None:
-        owner.gradient.clear()
     with owner.lock, owner.cache._guard(f"loading the snapshot {source.path}"):
         owner.cache.reset()
         owner._restore(source)

@@ -51,7 +51,9 @@ group that holds the parameter:
 - in no optimizer: the row optimizer's ``lr``, stepped by ``pipe.step()``.
 
 Other hyperparameters of the group (AdamW's weight decay, betas, eps) do not apply to the table;
-``maximize`` does (the table ascends too).
+``maximize`` does (the table ascends too). Where the group's optimizer is the torch optimizer the
+row optimizer matches, a setting that would train the embedding otherwise raises (NOTE [ A
+group's settings the table cannot take ] in ``groupsettings.py``).
 
 NOTE [ Which optimizer steps the table ]
 Only an optimizer that holds ``pipe.parameter`` takes the table's gradient, when its ``step()``
@@ -82,6 +84,7 @@ from torch.optim.optimizer import (
 from ..errors import EmbeddingsOffloadedError
 from ..store.layout import remembered_steps
 from .freshstate import STEPPED, count_step, has_stepped, refuse_fresh_state, steps_here
+from .groupsettings import refuse_unmatched_settings
 
 #: Called with (ids (U,) CPU int64, grad (U, D) on the gradient's device, lr or None) per step.
 StepSink = Callable[[torch.Tensor, torch.Tensor, "float | None"], None]
@@ -105,7 +108,7 @@ class TableGradient:
         self.parameter = parameter if parameter is not None else fresh
         self.ids: torch.Tensor | None = None  # the rows of parameter.grad, sorted
         self._version = -1  # parameter.grad's version counter when this object last changed it
-        self.base_lr, self.check, self.on_step = optimizer.lr, check, on_step
+        self.row, self.base_lr, self.check, self.on_step = optimizer, optimizer.lr, check, on_step
         self.backwards = 0  # backward passes added since the last step
         self.steps = 0  # steps taken
         self.path = os.path.realpath(table.path)  # (the steps of this process: freshstate.py)
@@ -311,6 +314,7 @@ class TableGradient:
         grad = self.parameter.grad
         if grad is None or self.ids is None:
             return  # torch skips a parameter with no .grad
+        refuse_unmatched_settings(optimizer, group, self.row)  # NOTE in groupsettings.py
         remembered = self.stepped + self.steps if self.remembers else 0
         refuse_fresh_state(optimizer, group, remembered, here=steps_here(self.path))
         live = self.live()

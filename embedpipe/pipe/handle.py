@@ -369,8 +369,8 @@ class EmbeddingPipe:
     def load_checkpoint(self, folder: str | os.PathLike[str]) -> None:
         """Make this pipe's table the snapshot in ``folder`` (made by :meth:`save_checkpoint`, or
         any table of the same shape and row optimizer), at that snapshot's step. The cache is
-        emptied, gradients not yet stepped are dropped, and the snapshot becomes the table's
-        newest checkpoint. Call it before training resumes."""
+        emptied, a gradient not yet stepped stays pending (as ``.grad`` stays at a load in
+        torch), and the snapshot becomes the table's newest checkpoint."""
         if self.optimizer is None:
             raise ValueError("load_checkpoint needs a pipe that trains the table (an optimizer)")
         source = Table.open(folder, "r")

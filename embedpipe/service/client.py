@@ -316,8 +316,6 @@ class RemoteOwner:
 
     def load(self, source: Table) -> None:
         self.check_open()
-        if self.gradient is not None:
-            self.gradient.clear()
         loaded, _, _ = self._request({"op": "load", "folder": source.path})
         self.generation, self.submitted = loaded
         self._committed(None)  # this process's handle: the table's step, its checkpoints

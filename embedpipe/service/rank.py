@@ -316,8 +316,6 @@ class RankOwner(RemoteOwner):
         if not self.several:
             return super().load(source)
         self.check_open()
-        if self.gradient is not None:
-            self.gradient.clear()
         shards = self.shards
         shards.begin(LOAD, self.submitted, self.generation)
         other = shards.first_of_machine and not shards.leader

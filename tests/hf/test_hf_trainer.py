@@ -207,13 +207,41 @@ class SGDReferenceTrainer(transformers.Trainer):
 TABLE_LR = 0.5
 
 
+@pytest.mark.parametrize(
+    ("optim", "row", "setting"),
+    [
+        ({"optim": "sgd", "weight_decay": 0.01}, embedpipe.optim.SGD(lr=TABLE_LR), "weight_decay"),
+        ({"optim": "sgd", "optim_args": "momentum=0.9"}, embedpipe.optim.SGD(lr=TABLE_LR), "momentum"),
+        ({"optim": "adagrad", "weight_decay": 0.01}, embedpipe.optim.Adagrad(lr=TABLE_LR), "weight_decay"),
+    ],
+    ids=["sgd-weight-decay", "sgd-momentum", "adagrad-weight-decay"],
+)  # fmt: skip
+def test_a_trainer_whose_optimizer_would_decay_the_embedding_raises_before_training(
+    tmp_path, optim, row, setting
+):
+    """Found by a probe: Trainer(optim="sgd" or "adagrad") with weight decay or momentum gives
+    nn.Embedding's every row that decay or momentum at every step; the table's group had none,
+    and trained otherwise, silently. (With AdamW, Trainer's default, the row optimizer is the
+    program's choice of another optimizer for the table, as documented.)"""
+    path = str(tmp_path / "table.zarr")
+    model = bert()
+    table = embedpipe.hf.offload(model, path, chunk_rows=64)
+    args = arguments(tmp_path / "out", **{"weight_decay": 0.0, **optim})
+    with table, embedpipe.EmbeddingPipe(table, cache_rows=VOCAB // 20, optimizer=row) as pipe:
+        trainer = embedpipe.hf.Trainer(model=model, args=args, train_dataset=samples(8), pipe=pipe)
+        with pytest.raises(ValueError, match=f"has {setting}=.*weight_decay=0 and no momentum"):
+            trainer.train()
+        assert trainer.state.global_step == 0
+    assert embedpipe.Table.open(path).step == 0
+
+
 def test_each_run_of_model_init_starts_from_its_rows_or_raises(tmp_path):
     """Found by a probe: with model_init, transformers starts each train() (each trial of
     hyperparameter_search) from a new model; the table kept the rows the run before trained,
     and the second run trained on from them (7.7e-3 from nn.Embedding with row SGD), silently.
     It raises now; a model_init that loads the table's snapshot of the step the Trainer was made
     at (review: the check ran before model_init) gives the run nn.Embedding gives, bit for bit."""
-    data, args = samples(36), arguments(tmp_path / "out", optim="sgd")
+    data, args = samples(36), arguments(tmp_path / "out", optim="sgd", weight_decay=0.0)
     reference = SGDReferenceTrainer(model_init=lambda: bert(), args=args, train_dataset=data)
     reference.train()
     reference.train()  # the same run again, from a new model

@@ -7,7 +7,9 @@ tests train a real BERT.
 from __future__ import annotations
 
 import contextlib
+import copy
 import multiprocessing
+import warnings
 
 import numpy as np
 import pytest
@@ -166,6 +168,48 @@ def test_a_batch_held_across_load_checkpoint_gets_the_loaded_rows(tmp_path):
         pipe.load_checkpoint(tmp_path / "snap")  # back to step 2: step numbers go back too
         with torch.no_grad():
             assert torch.equal(held["inputs_embeds"], table(pipe)[held["input_ids"]])
+
+
+@pytest.mark.parametrize("owner", ["thread", "process"])
+def test_a_load_in_the_middle_of_an_accumulation_group_keeps_the_gradient_as_torch_does(
+    tmp_path, owner
+):
+    """Found by a probe (Accelerate's load_state in the running process): torch's
+    load_state_dict leaves .grad as it is, so the next step applies the whole group's gradient
+    to the loaded weights; the table's load dropped its pending gradient, and its step took the
+    part after the load only (2.7e-4 from nn.Embedding, silently)."""
+    reference = Toy()
+    ref_opts = reference_optimizer(reference)
+    model = Toy()
+    with offloaded(tmp_path, model, owner=owner) as pipe:
+        optimizer = one_optimizer(model, pipe)
+        runs = [
+            (reference, False, ref_opts, torch.utils.data.DataLoader(samples(16), batch_size=2)),
+            (model, True, (optimizer,), pipe.loader(samples(16), batch_size=2)),
+        ]
+        for net, offloaded_, opts, loader in runs:
+            saved = None
+            for k, batch in enumerate(loader):
+                loss(net, batch, offloaded_).backward()
+                if k == 6:  # mid-group: back to the state saved at step 2, .grad kept
+                    net.load_state_dict(saved[0])
+                    for opt, state in zip(opts, saved[1], strict=True):
+                        opt.load_state_dict(state)
+                    if offloaded_:
+                        pipe.load_checkpoint(tmp_path / "step-2")
+                if k % 2 == 1:
+                    for opt in opts:
+                        opt.step()
+                        opt.zero_grad()
+                if k == 3:
+                    saved = (
+                        copy.deepcopy(net.state_dict()),
+                        [copy.deepcopy(o.state_dict()) for o in opts],
+                    )
+                    if offloaded_:
+                        pipe.save_checkpoint(tmp_path / "step-2")
+    assert torch.equal(table(pipe), reference.emb.weight.detach())
+    assert torch.equal(model.lin.weight, reference.lin.weight)
 
 
 @pytest.mark.parametrize("rule", ["plateau", "by hand"])
@@ -736,11 +780,20 @@ def test_ids_made_and_edited_under_inference_mode_embed_the_edited_ids(tmp_path,
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
 def test_a_model_cast_after_offload_gets_inputs_embeds_in_its_dtype(tmp_path, dtype):
+    """...and a batch read to train says, once, that the table trains in its own dtype (found by
+    a probe: model.to(torch.bfloat16) after offload trained the table 3.2e-4 away from an
+    nn.Embedding cast with the model, silently). Read without a gradient, it says nothing."""
     model = Toy()
     with offloaded(tmp_path, model) as pipe:
         model.to(dtype)
         batch = next(iter(pipe.loader(samples(4), batch_size=4)))
-        assert batch["inputs_embeds"].dtype == dtype
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with torch.no_grad():
+                assert batch["inputs_embeds"].dtype == dtype
+        batch = next(iter(pipe.loader(samples(4), batch_size=4)))
+        with pytest.warns(RuntimeWarning, match=f"inputs_embeds in {dtype} .*trains in float32"):
+            assert batch["inputs_embeds"].dtype == dtype
         loss(model, batch, True).float().backward()  # the gradient reaches the float32 table
         assert pipe.parameter.grad.dtype == torch.float32 and pipe.parameter.grad.any()
         pipe.step()
