@@ -66,11 +66,6 @@ if is_datasets_available():
 
 #: The folder inside each of Trainer's checkpoint folders that holds the table's snapshot.
 TABLE_FOLDER = "embedpipe-table"
-#: How a Trainer leaves out a setting its optimizer would give the table (``groupsettings.py``).
-TRAINER_FIX = (
-    "Train with weight_decay=0 and no momentum in optim_args, or pass Trainer(optimizers=(your "
-    "optimizer, None)) with pipe.parameter in a group of its own without them"
-)
 
 
 class Trainer(transformers.Trainer):
@@ -287,7 +282,9 @@ class Trainer(transformers.Trainer):
             parameter.requires_grad_(trains)
         if trains:  # its weight decay and momentum would move the embedding's every row
             settings = {**optimizer.defaults, "weight_decay": self.args.weight_decay}
-            refuse_unmatched_settings(optimizer, settings, self.pipe.optimizer, fix=TRAINER_FIX)
+            optim = getattr(self.args.optim, "value", self.args.optim)
+            what = f"Trainer's optim={optim!r} would give the word embeddings"
+            refuse_unmatched_settings(optimizer, settings, self.pipe.optimizer, where=what)
             optimizer.add_param_group(
                 {"params": [parameter], "lr": self.pipe.optimizer.lr, "weight_decay": 0.0}
             )

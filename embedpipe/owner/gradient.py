@@ -52,8 +52,8 @@ group that holds the parameter:
 
 Other hyperparameters of the group (AdamW's weight decay, betas, eps) do not apply to the table;
 ``maximize`` does (the table ascends too). Where the group's optimizer is the torch optimizer the
-row optimizer matches, a setting that would train the embedding otherwise raises (NOTE [ A
-group's settings the table cannot take ] in ``groupsettings.py``).
+row optimizer matches, a weight decay or a momentum raises (NOTE [ A group's settings the table
+cannot take ] in ``groupsettings.py``).
 
 NOTE [ Which optimizer steps the table ]
 Only an optimizer that holds ``pipe.parameter`` takes the table's gradient, when its ``step()``

@@ -157,7 +157,7 @@ def _warn_if_cast(module: OffloadedEmbedding, pipe: Any) -> None:
     table = pipe.table.dtype.name
     if (
         str(module.dtype).removeprefix("torch.") == table
-        or not torch.is_grad_enabled()
+        or not (torch.is_grad_enabled() and module.training)  # (evaluation: review)
         or not pipe.parameter.requires_grad
         or getattr(pipe, "_warned_cast", False)
     ):

@@ -782,7 +782,8 @@ def test_ids_made_and_edited_under_inference_mode_embed_the_edited_ids(tmp_path,
 def test_a_model_cast_after_offload_gets_inputs_embeds_in_its_dtype(tmp_path, dtype):
     """...and a batch read to train says, once, that the table trains in its own dtype (found by
     a probe: model.to(torch.bfloat16) after offload trained the table 3.2e-4 away from an
-    nn.Embedding cast with the model, silently). Read without a gradient, it says nothing."""
+    nn.Embedding cast with the model, silently). Read without a gradient or in eval mode, it
+    says nothing."""
     model = Toy()
     with offloaded(tmp_path, model) as pipe:
         model.to(dtype)
@@ -791,6 +792,10 @@ def test_a_model_cast_after_offload_gets_inputs_embeds_in_its_dtype(tmp_path, dt
             warnings.simplefilter("error")
             with torch.no_grad():
                 assert batch["inputs_embeds"].dtype == dtype
+            model.eval()  # an evaluation that reads the batch before its no_grad (HF's, review)
+            batch = next(iter(pipe.loader(samples(4), batch_size=4)))
+            assert batch["inputs_embeds"].dtype == dtype
+            model.train()
         batch = next(iter(pipe.loader(samples(4), batch_size=4)))
         with pytest.warns(RuntimeWarning, match=f"inputs_embeds in {dtype} .*trains in float32"):
             assert batch["inputs_embeds"].dtype == dtype
