@@ -1,7 +1,10 @@
 """What a backward pass hands the table's gradient, checked: the padding row left out, as
-``nn.Embedding`` leaves it, and no NaN or inf let through to a step (``check_finite``)."""
+``nn.Embedding`` leaves it, and no NaN or inf let through to a step (``check_finite``); and a
+gradient the table did not get, or one put in place of its own (NOTE below)."""
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -39,3 +42,52 @@ def without_padding(
         if not bool(keep.all()):
             return unique_ids[keep], grad[keep.to(grad.device)]
     return unique_ids, grad
+
+
+# NOTE [ A gradient the table did not get ]
+# The table's gradient reaches it through the batch's rows (``batch.rows``, the leaf
+# ``inputs_embeds`` is gathered from): a backward pass that reaches that leaf adds its gradient,
+# for the batch's ids, to ``pipe.parameter.grad``, and the pipe knows which rows each of its
+# lines is. ``pipe.parameter`` itself is in no graph. Two ways past that trained the table
+# otherwise than nn.Embedding, silently (found by a probe):
+#
+# - a gradient taken for ``model.parameters()`` (``torch.autograd.grad(loss, params,
+#   allow_unused=True)`` then ``p.grad = g``; ``loss.backward(inputs=list(model.parameters()))``;
+#   ``torch.func.grad``) gives the table none, where nn.Embedding's weight gets its own: the
+#   table never stepped. An optimizer step that holds the parameter, after batches were read to
+#   train and none of their rows got a gradient, warns once (a loop that leaves the table out
+#   of a step on purpose freezes it: ``pipe.parameter.requires_grad_(False)``);
+# - a ``.grad`` the program assigned (a saved gradient put back after another batch's backward,
+#   a combination of two) holds lines the pipe cannot tell the rows of: it took the last batch's
+#   ids, and a first batch's gradient trained the second batch's rows. ``pipe.parameter.grad``
+#   must be the tensor the pipe made (changed in place as the program likes: clipping, scaling,
+#   zeroing): another one raises at the next backward pass or step.
+
+
+def refuse_replaced(grad: torch.Tensor | None, made: torch.Tensor | None) -> None:
+    """Raise if ``grad``, ``pipe.parameter.grad``, is not ``made``, the tensor the pipe made."""
+    if grad is not None and grad is not made:
+        raise RuntimeError(
+            "pipe.parameter.grad was replaced by a tensor embedpipe did not make (p.grad = ...): "
+            "its lines are the rows of the batches whose backward passes made it, and a tensor "
+            "put in its place cannot say which rows it holds (a gradient saved before another "
+            "batch's backward would train that batch's rows). Change the gradient in place "
+            "(p.grad.mul_(...), p.grad.copy_(...)), or leave pipe.parameter out of the "
+            "replacement and let backward() add to it"
+        )
+
+
+def warn_unreached(leaves: int) -> None:
+    """Warn that ``leaves`` batches were read to train since the last step and no backward pass
+    gave their rows a gradient (NOTE [ A gradient the table did not get ])."""
+    warnings.warn(
+        f"an optimizer holding pipe.parameter steps, and no gradient reached the embedding "
+        f"table since its last step though {leaves} batch(es) were read to train: a gradient "
+        "taken for model.parameters() (torch.autograd.grad, backward(inputs=...), torch.func) "
+        "never reaches the table, whose gradient flows through the batch's rows (batch.rows), "
+        "where nn.Embedding's weight would get its own. Take the gradient with backward() (or "
+        "include batch.rows in inputs=); to leave the table out of a step on purpose, freeze "
+        "it with pipe.parameter.requires_grad_(False)",
+        RuntimeWarning,
+        stacklevel=4,
+    )

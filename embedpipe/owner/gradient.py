@@ -84,6 +84,7 @@ from torch.optim.optimizer import (
 from ..errors import EmbeddingsOffloadedError
 from ..store.layout import remembered_steps
 from .freshstate import STEPPED, count_step, has_stepped, refuse_fresh_state, steps_here
+from .gradcheck import refuse_replaced, warn_unreached
 from .groupsettings import refuse_unmatched_settings
 
 #: Called with (ids (U,) CPU int64, grad (U, D) on the gradient's device, lr or None) per step.
@@ -110,6 +111,10 @@ class TableGradient:
         self._version = -1  # parameter.grad's version counter when this object last changed it
         self.row, self.base_lr, self.check, self.on_step = optimizer, optimizer.lr, check, on_step
         self.backwards = 0  # backward passes added since the last step
+        #: batches read to train, and backward passes that reached the table, since an optimizer
+        #: holding the parameter last stepped (NOTE [ A gradient the table did not get ])
+        self.leaves = self._reached = 0
+        self._made: torch.Tensor | None = None  # the .grad this object made (the same NOTE)
         self.steps = 0  # steps taken
         self.path = os.path.realpath(table.path)  # (the steps of this process: freshstate.py)
         self.stepped = remembered_steps(table.metadata, optimizer)  # (NOTE [ A new optimizer...)
@@ -117,7 +122,7 @@ class TableGradient:
         self._warned = False
         #: an optimizer that does not hold the parameter stepped while its gradient was pending
         self._passed_over = False
-        self._warned_passed_over = False
+        self._warned_passed_over = self._warned_unreached = False
         ref = weakref.ref(self)
 
         def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
@@ -181,7 +186,9 @@ class TableGradient:
         Sums as ``.grad`` accumulation does, bit for bit: a row in both gets ``old + new``; a
         row in one gets its value (``0 + x`` is ``x``)."""
         held = self.parameter.grad
+        refuse_replaced(held, self._made)
         self.backwards += 1
+        self._reached += 1
         if self._passed_over and self.pending and not self._warned_passed_over:
             self._warned_passed_over = True
             warnings.warn(
@@ -230,7 +237,7 @@ class TableGradient:
         param = self.parameter
         param.grad = None
         param.data = grad.new_zeros(()).expand(grad.shape)  # the shape .grad needs, no memory
-        param.grad = grad
+        param.grad = self._made = grad
         self.ids = ids
         self._version = grad._version
 
@@ -238,7 +245,7 @@ class TableGradient:
         """Drop the pending gradient, as ``zero_grad()`` does."""
         self._passed_over = False
         param = self.parameter
-        param.grad = None
+        param.grad = self._made = None
         param.data = param.data.new_empty(0, param.shape[1])
         self.ids = None
         self.backwards = 0
@@ -249,6 +256,7 @@ class TableGradient:
         """Take the pending gradient as one table step (``lr`` None: the row optimizer's).
 
         Returns False when there was nothing to take."""
+        refuse_replaced(self.parameter.grad, self._made)
         if not self.pending:
             self.clear()
             return False
@@ -275,6 +283,10 @@ class TableGradient:
                 "at trial points of every parameter; leave pipe.parameter out of it"
             )
         _see_at_step(optimizer, group)
+        leaves, reached, self.leaves, self._reached = self.leaves, self._reached, 0, 0
+        if leaves and not reached and self.parameter.requires_grad and not self._warned_unreached:
+            self._warned_unreached = True
+            warn_unreached(leaves)
         if STEPPED not in group:  # first seen: loaded, or new (looked at once, not every step)
             group[STEPPED] = has_stepped(optimizer)
         if kwargs.get("grad_scaler") is not None:
@@ -314,6 +326,7 @@ class TableGradient:
         grad = self.parameter.grad
         if grad is None or self.ids is None:
             return  # torch skips a parameter with no .grad
+        refuse_replaced(grad, self._made)
         refuse_unmatched_settings(optimizer, group, self.row)  # NOTE in groupsettings.py
         remembered = self.stepped + self.steps if self.remembers else 0
         refuse_fresh_state(optimizer, group, remembered, here=steps_here(self.path))

@@ -380,6 +380,9 @@ class EmbeddedBatch(Mapping[str, Any]):
             self._leaf = rows.detach().requires_grad_()
             self._leaf.register_post_accumulate_grad_hook(_GradHook(self._unique_ids, owner))
             self._leaf_tick = self.tick
+            gradient = getattr(owner, "gradient", None)  # (NOTE in owner/gradcheck.py)
+            if gradient is not None:
+                gradient.leaves += 1
         return self._leaf
 
     def _finalize(self) -> None:

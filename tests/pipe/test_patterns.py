@@ -212,6 +212,79 @@ def test_a_load_in_the_middle_of_an_accumulation_group_keeps_the_gradient_as_tor
     assert torch.equal(model.lin.weight, reference.lin.weight)
 
 
+def trained(model) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def gradient_by_autograd_grad(model, value):
+    params = trained(model)
+    for p, g in zip(params, torch.autograd.grad(value, params, allow_unused=True), strict=True):
+        p.grad = g
+
+
+@pytest.mark.parametrize(
+    "take",
+    [gradient_by_autograd_grad, lambda m, v: v.backward(inputs=trained(m))],
+    ids=["autograd-grad", "backward-inputs"],
+)
+def test_a_gradient_taken_for_the_models_parameters_says_the_table_got_none(tmp_path, take):
+    """Found by a probe: the table's gradient flows through the batch's rows, not through
+    pipe.parameter; a gradient taken for model.parameters() gave the table none, where
+    nn.Embedding's weight gets its own, and the table never stepped, silently. Frozen on
+    purpose, it says nothing."""
+    model = Toy()
+    with offloaded(tmp_path, model) as pipe:
+        optimizer = one_optimizer(model, pipe)
+        for frozen in (False, True):
+            pipe.parameter.requires_grad_(not frozen)
+            batch = next(iter(pipe.loader(samples(4), batch_size=4)))
+            take(model, loss(model, batch, True))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                optimizer.step()
+            said = [str(w.message) for w in caught if "no gradient reached" in str(w.message)]
+            assert len(said) == (0 if frozen else 1), said
+            optimizer.zero_grad()
+        assert pipe.stats()["steps"] == 0
+
+
+@pytest.mark.parametrize("owner", ["thread", "process"])
+def test_a_gradient_put_in_place_of_the_tables_raises_and_one_changed_in_place_trains(
+    tmp_path, owner
+):
+    """Found by a probe (multi-task gradient surgery): a .grad saved after one batch's backward
+    and put back after another's trained the second batch's rows with the first's gradient,
+    silently; the pipe knows the rows of the tensor it made only. Changed in place, exact."""
+    reference = Toy()
+    dense, adagrad = reference_optimizer(reference)
+    model = Toy()
+    with offloaded(tmp_path, model, owner=owner) as pipe:
+        optimizer = one_optimizer(model, pipe)
+        runs = [
+            (
+                reference,
+                False,
+                (dense, adagrad),
+                torch.utils.data.DataLoader(samples(8), batch_size=4),
+            ),
+            (model, True, (optimizer,), pipe.loader(samples(8), batch_size=4)),
+        ]
+        for net, offloaded_, opts, loader in runs:
+            for batch in loader:
+                loss(net, batch, offloaded_).backward()
+                for p in net.parameters():
+                    p.grad.mul_(0.5)
+                for opt in opts:
+                    opt.step()
+                    opt.zero_grad()
+        assert torch.equal(table(pipe), reference.emb.weight.detach())
+        loss(model, next(iter(pipe.loader(samples(8), batch_size=4))), True).backward()
+        pipe.parameter.grad = pipe.parameter.grad.clone()  # the pipe cannot tell its rows
+        with pytest.raises(RuntimeError, match="replaced by a tensor embedpipe did not make"):
+            optimizer.step()
+        pipe.parameter.grad = None
+
+
 @pytest.mark.parametrize("rule", ["plateau", "by hand"])
 def test_a_learning_rate_changed_without_a_scheduler_base_reaches_the_table(tmp_path, rule):
     def run(model, optimizer, batches, offloaded):
