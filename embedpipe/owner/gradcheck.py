@@ -54,40 +54,58 @@ def without_padding(
 # - a gradient taken for ``model.parameters()`` (``torch.autograd.grad(loss, params,
 #   allow_unused=True)`` then ``p.grad = g``; ``loss.backward(inputs=list(model.parameters()))``;
 #   ``torch.func.grad``) gives the table none, where nn.Embedding's weight gets its own: the
-#   table never stepped. An optimizer step that holds the parameter, after batches were read to
-#   train and none of their rows got a gradient, warns once (a loop that leaves the table out
-#   of a step on purpose freezes it: ``pipe.parameter.requires_grad_(False)``);
-# - a ``.grad`` the program assigned (a saved gradient put back after another batch's backward,
-#   a combination of two) holds lines the pipe cannot tell the rows of: it took the last batch's
-#   ids, and a first batch's gradient trained the second batch's rows. ``pipe.parameter.grad``
-#   must be the tensor the pipe made (changed in place as the program likes: clipping, scaling,
-#   zeroing): another one raises at the next backward pass or step.
+#   table never stepped. An optimizer step that holds the parameter, where batches were read to
+#   train since its last step, none of their rows got a gradient, and another of its parameters
+#   has one (a backward ran, and passed the table by; review: a loop that skips a batch with no
+#   backward at all steps nothing, as torch does), warns once. A loop that leaves the table out
+#   of a step on purpose freezes it (``pipe.parameter.requires_grad_(False)``);
+# - a ``.grad`` the program assigned holds lines the pipe cannot tell the rows of: a gradient
+#   saved before another batch's backward and put back trained that batch's rows. One made from
+#   the gradient since the last backward (``p.grad = p.grad * 0.5``, noise added, two losses of
+#   one batch combined) is exact, and nothing tells the two apart (review: refusing both refused
+#   valid loops), so an optimizer step that finds a tensor the pipe did not make warns once and
+#   steps it as the rows of the last backward. Put back in place (``p.grad.copy_(saved)``), it
+#   is not seen at all.
 
 
-def refuse_replaced(grad: torch.Tensor | None, made: torch.Tensor | None) -> None:
-    """Raise if ``grad``, ``pipe.parameter.grad``, is not ``made``, the tensor the pipe made."""
-    if grad is not None and grad is not made:
-        raise RuntimeError(
-            "pipe.parameter.grad was replaced by a tensor embedpipe did not make (p.grad = ...): "
-            "its lines are the rows of the batches whose backward passes made it, and a tensor "
-            "put in its place cannot say which rows it holds (a gradient saved before another "
-            "batch's backward would train that batch's rows). Change the gradient in place "
-            "(p.grad.mul_(...), p.grad.copy_(...)), or leave pipe.parameter out of the "
-            "replacement and let backward() add to it"
-        )
+def warn_replaced(stacklevel: int) -> bool:
+    """Warn that ``pipe.parameter.grad`` is a tensor the pipe did not make (the NOTE above);
+    True, once warned."""
+    warnings.warn(
+        "pipe.parameter.grad was replaced by a tensor embedpipe did not make (p.grad = ...): the "
+        "table steps it as the gradient of the rows of the last backward pass, which is exact "
+        "for a tensor made from that gradient (p.grad * 0.5, p.grad + noise), and trains the "
+        "wrong rows for one saved before another batch's backward. Change the gradient in place "
+        "(p.grad.mul_(...)) to say nothing",
+        RuntimeWarning,
+        stacklevel=stacklevel + 1,
+    )
+    return True
 
 
-def warn_unreached(leaves: int) -> None:
+def passed_by(optimizer: torch.optim.Optimizer, parameter: torch.Tensor) -> bool:
+    """The table trains, and another parameter of ``optimizer`` has a gradient: a backward pass
+    ran since the last step (NOTE [ A gradient the table did not get ])."""
+    return parameter.requires_grad and any(
+        p.grad is not None
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p is not parameter
+    )
+
+
+def warn_unreached(leaves: int) -> bool:
     """Warn that ``leaves`` batches were read to train since the last step and no backward pass
-    gave their rows a gradient (NOTE [ A gradient the table did not get ])."""
+    gave their rows a gradient (NOTE [ A gradient the table did not get ]); True, once warned."""
     warnings.warn(
         f"an optimizer holding pipe.parameter steps, and no gradient reached the embedding "
-        f"table since its last step though {leaves} batch(es) were read to train: a gradient "
-        "taken for model.parameters() (torch.autograd.grad, backward(inputs=...), torch.func) "
-        "never reaches the table, whose gradient flows through the batch's rows (batch.rows), "
-        "where nn.Embedding's weight would get its own. Take the gradient with backward() (or "
-        "include batch.rows in inputs=); to leave the table out of a step on purpose, freeze "
-        "it with pipe.parameter.requires_grad_(False)",
+        f"table since its last step though {leaves} batch(es) were read to train and other "
+        "parameters have one: a gradient taken for model.parameters() (torch.autograd.grad, "
+        "backward(inputs=...), torch.func) never reaches the table, whose gradient flows "
+        "through the batch's rows (batch.rows), where nn.Embedding's weight would get its own. "
+        "Take the gradient with backward() (or include batch.rows in inputs=); to leave the "
+        "table out of a step on purpose, freeze it with pipe.parameter.requires_grad_(False)",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=5,  # the program's optimizer.step()
     )
+    return True

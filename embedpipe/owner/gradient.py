@@ -51,9 +51,8 @@ group that holds the parameter:
 - in no optimizer: the row optimizer's ``lr``, stepped by ``pipe.step()``.
 
 Other hyperparameters of the group (AdamW's weight decay, betas, eps) do not apply to the table;
-``maximize`` does (the table ascends too). Where the group's optimizer is the torch optimizer the
-row optimizer matches, a weight decay or a momentum raises (NOTE [ A group's settings the table
-cannot take ] in ``groupsettings.py``).
+``maximize`` does (the table ascends too); a weight decay or momentum raises where they would
+apply (NOTE [ A group's settings the table cannot take ] in ``groupsettings.py``).
 
 NOTE [ Which optimizer steps the table ]
 Only an optimizer that holds ``pipe.parameter`` takes the table's gradient, when its ``step()``
@@ -84,7 +83,7 @@ from torch.optim.optimizer import (
 from ..errors import EmbeddingsOffloadedError
 from ..store.layout import remembered_steps
 from .freshstate import STEPPED, count_step, has_stepped, refuse_fresh_state, steps_here
-from .gradcheck import refuse_replaced, warn_unreached
+from .gradcheck import passed_by, warn_replaced, warn_unreached
 from .groupsettings import refuse_unmatched_settings
 
 #: Called with (ids (U,) CPU int64, grad (U, D) on the gradient's device, lr or None) per step.
@@ -122,7 +121,7 @@ class TableGradient:
         self._warned = False
         #: an optimizer that does not hold the parameter stepped while its gradient was pending
         self._passed_over = False
-        self._warned_passed_over = self._warned_unreached = False
+        self._warned_passed_over = self._warned_unreached = self._warned_replaced = False
         ref = weakref.ref(self)
 
         def pre_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
@@ -186,7 +185,6 @@ class TableGradient:
         Sums as ``.grad`` accumulation does, bit for bit: a row in both gets ``old + new``; a
         row in one gets its value (``0 + x`` is ``x``)."""
         held = self.parameter.grad
-        refuse_replaced(held, self._made)
         self.backwards += 1
         self._reached += 1
         if self._passed_over and self.pending and not self._warned_passed_over:
@@ -256,7 +254,7 @@ class TableGradient:
         """Take the pending gradient as one table step (``lr`` None: the row optimizer's).
 
         Returns False when there was nothing to take."""
-        refuse_replaced(self.parameter.grad, self._made)
+        self._see_replaced(stacklevel=3)  # the program's pipe.step()
         if not self.pending:
             self.clear()
             return False
@@ -284,9 +282,8 @@ class TableGradient:
             )
         _see_at_step(optimizer, group)
         leaves, reached, self.leaves, self._reached = self.leaves, self._reached, 0, 0
-        if leaves and not reached and self.parameter.requires_grad and not self._warned_unreached:
-            self._warned_unreached = True
-            warn_unreached(leaves)
+        if leaves and not reached and not self._warned_unreached:  # (NOTE in gradcheck.py)
+            self._warned_unreached = passed_by(optimizer, self.parameter) and warn_unreached(leaves)
         if STEPPED not in group:  # first seen: loaded, or new (looked at once, not every step)
             group[STEPPED] = has_stepped(optimizer)
         if kwargs.get("grad_scaler") is not None:
@@ -326,7 +323,7 @@ class TableGradient:
         grad = self.parameter.grad
         if grad is None or self.ids is None:
             return  # torch skips a parameter with no .grad
-        refuse_replaced(grad, self._made)
+        self._see_replaced(stacklevel=5)  # the program's optimizer.step()
         refuse_unmatched_settings(optimizer, group, self.row)  # NOTE in groupsettings.py
         remembered = self.stepped + self.steps if self.remembers else 0
         refuse_fresh_state(optimizer, group, remembered, here=steps_here(self.path))
@@ -347,6 +344,11 @@ class TableGradient:
         self.on_step(ids, taken, lr)
         self.steps += 1
         count_step(self.path)
+
+    def _see_replaced(self, stacklevel: int) -> None:  # (NOTE in gradcheck.py)
+        grad = self.parameter.grad
+        if grad is not None and grad is not self._made and not self._warned_replaced:
+            self._warned_replaced = warn_replaced(stacklevel + 1)
 
     def _hide(self, taken: bool) -> None:
         """Hide ``.grad`` from the optimizer stepping now (it skips a parameter without one);
@@ -477,7 +479,7 @@ def _see_at_step(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Non
             "warmup has changed it already, set group['initial_lr'] to the built rate (as "
             "LRScheduler does), or build the optimizer before the pipe's first batch",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,  # the program's optimizer.step()
         )
     _see(group)
 
