@@ -110,9 +110,9 @@ class TableGradient:
         self._version = -1  # parameter.grad's version counter when this object last changed it
         self.row, self.base_lr, self.check, self.on_step = optimizer, optimizer.lr, check, on_step
         self.backwards = 0  # backward passes added since the last step
-        #: batches read to train, and backward passes that reached the table, since an optimizer
-        #: holding the parameter last stepped (NOTE [ A gradient the table did not get ])
-        self.leaves = self._reached = 0
+        #: batches read to train since an optimizer holding the parameter last stepped (NOTE [ A
+        #: gradient the table did not get ]: one with no backward pass added since warns)
+        self.leaves = 0
         self._made: torch.Tensor | None = None  # the .grad this object made (the same NOTE)
         self.steps = 0  # steps taken
         self.path = os.path.realpath(table.path)  # (the steps of this process: freshstate.py)
@@ -186,7 +186,6 @@ class TableGradient:
         row in one gets its value (``0 + x`` is ``x``)."""
         held = self.parameter.grad
         self.backwards += 1
-        self._reached += 1
         if self._passed_over and self.pending and not self._warned_passed_over:
             self._warned_passed_over = True
             warnings.warn(
@@ -281,8 +280,8 @@ class TableGradient:
                 "at trial points of every parameter; leave pipe.parameter out of it"
             )
         _see_at_step(optimizer, group)
-        leaves, reached, self.leaves, self._reached = self.leaves, self._reached, 0, 0
-        if leaves and not reached and not self._warned_unreached:  # (NOTE in gradcheck.py)
+        leaves, self.leaves = self.leaves, 0
+        if leaves and not self.backwards and not self._warned_unreached:  # (NOTE in gradcheck.py)
             self._warned_unreached = passed_by(optimizer, self.parameter) and warn_unreached(leaves)
         if STEPPED not in group:  # first seen: loaded, or new (looked at once, not every step)
             group[STEPPED] = has_stepped(optimizer)

@@ -13,9 +13,9 @@ import torch
 # in gradient.py; its eps, betas, lr_decay, initial_accumulator_value). The torch optimizer whose
 # group holds pipe.parameter says when the table steps, how its rate moves and whether it ascends
 # (maximize). Where that torch optimizer is the one the row optimizer matches (torch.optim.SGD
-# for SGD, Adagrad for Adagrad, SparseAdam for Adam), a program moved from nn.Embedding expects
-# the group's settings that the row optimizer has no counterpart for to train the table as they
-# trained the embedding: weight decay and momentum. They cannot: torch applies them to every row
+# for SGD, Adagrad for Adagrad; SparseAdam, Adam's, takes neither), a program moved from
+# nn.Embedding expects the group's settings that the row optimizer has no counterpart for to
+# train the table as they trained the embedding: weight decay and momentum. They cannot: torch applies them to every row
 # of nn.Embedding's weight at every step (the dense gradient plus weight_decay * weight; a
 # momentum buffer that moves rows no batch looked up), and the table updates the batch's rows.
 # Found by a probe: SGD with momentum, Adagrad with weight decay, trained the dense weights with
@@ -25,11 +25,10 @@ import torch
 # another kind (AdamW over the dense weights, a row Adagrad for the table) is the program's choice
 # of two optimizers, and nothing is checked.
 
-#: The torch optimizer each row optimizer matches (by the row optimizer's ``name``).
+#: The torch optimizer each row optimizer matches that has the settings (by the row's ``name``).
 MATCHES: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
     "adagrad": torch.optim.Adagrad,
-    "adam": torch.optim.SparseAdam,
 }
 #: The group's settings that move rows no batch looked up: each must be 0 (or absent).
 DENSE_ONLY = ("weight_decay", "momentum")
@@ -53,25 +52,29 @@ def refuse_unmatched_settings(
         return
     kind = type(optimizer).__name__
     for name in DENSE_ONLY:
-        if group.get(name):
-            what = where or f"the {kind} group that steps the embedding table has"
-            raise ValueError(
-                f"{what} {name}={group[name]}: torch applies it to every row of nn.Embedding's "
-                f"weight at every step, and the table's {row!r} updates only the rows a batch "
-                "looked up, so the table would train otherwise than the embedding, silently. "
-                + (
-                    "Train with weight_decay=0 and no momentum in optim_args, or pass "
-                    "Trainer(optimizers=(your optimizer, None)) with pipe.parameter in a group "
-                    "of its own without them"
-                    if where
-                    else f"Give pipe.parameter a group of its own with {name}=0 (the dense "
-                    f"weights keep theirs): {kind}([{{'params': dense}}, {{'params': "
-                    f"[pipe.parameter], '{name}': 0}}], ...)"
-                    + (
-                        "; a scheduler that cycles the momentum of every group (OneCycleLR, "
-                        "CyclicLR) needs cycle_momentum=False"
-                        if name == "momentum"
-                        else ""
-                    )
-                )
+        if not group.get(name):
+            continue
+        if where:
+            what = where
+            advice = (
+                "Train with weight_decay=0 and no momentum in optim_args, or pass Trainer("
+                "optimizers=(your optimizer, None)) with pipe.parameter in a group of its own "
+                "without them"
             )
+        else:
+            what = f"the {kind} group that steps the embedding table has"
+            advice = (
+                f"Give pipe.parameter a group of its own with {name}=0 (the dense weights keep "
+                f"theirs): {kind}([{{'params': dense}}, {{'params': [pipe.parameter], "
+                f"'{name}': 0}}], ...)"
+            )
+            if name == "momentum":
+                advice += (
+                    "; a scheduler that cycles the momentum of every group (OneCycleLR, "
+                    "CyclicLR) needs cycle_momentum=False"
+                )
+        raise ValueError(
+            f"{what} {name}={group[name]}: torch applies it to every row of nn.Embedding's "
+            f"weight at every step, and the table's {row!r} updates only the rows a batch "
+            f"looked up, so the table would train otherwise than the embedding, silently. {advice}"
+        )
