@@ -253,28 +253,34 @@ def test_an_unknown_owner_is_refused(tmp_path):
 def test_the_training_process_holds_no_cache_and_reads_no_table_file(tmp_path):
     """A 1 GiB table, trained in a fresh process with a cache of 1% and of 50%: the training
     process has none of the cache's pages resident, its other memory is the same (with the owner
-    in threads it is about 240 MB larger), and after the page cache is dropped it reads nothing
-    from disk while it trains (its owner process and workers do the reads)."""
+    in threads it is about 240 MB larger), it opens, holds and maps none of the table's files while
+    it trains (with the owner in threads: 1370 files), and after the page cache is dropped it reads
+    next to nothing from disk (its owner process and workers do the reads)."""
     path = tmp_path / "t.zarr"
     embedpipe.Table.create(path, 350_000, 768, init="zeros", chunk_rows=512).close()  # 1.07 GB
-    measured = {}
+    measured, named = {}, []
     for fraction in (0.01, 0.5):
         out = subprocess.run(
             [sys.executable, "-m", "tests.service.resident_run", str(path), str(fraction)],
             cwd=ROOT, capture_output=True, text=True, check=True,
         )  # fmt: skip
         measured[fraction] = [int(x) for x in out.stdout.split()]
-    (rss_small, cache_small, read_small, owner_small), (rss_large, cache_large, read_large, _) = (
-        measured.values()
-    )
+        named.append(out.stderr.strip().splitlines()[-1])
+    (rss_small, cache_small, read_small, owner_small, files_small), (
+        rss_large, cache_large, read_large, _, files_large,
+    ) = measured.values()  # fmt: skip
     # the 50% cache's block is 537 MB; this process maps it (to hand it to its workers) and
     # reads none of it
     assert cache_small == 0 and cache_large == 0, measured
     # the same within a few MB after malloc_trim (measured: 1 MB apart)
     assert abs(rss_large - rss_small) < 32 << 20, measured
+    assert files_small == files_large == 0, named
     if read_small >= 0:  # the page cache could be dropped (root)
-        # (each reaped foresight child's reads are left out rounded down to 512 bytes: 2 epochs)
-        assert 0 <= read_small < 1024 and 0 <= read_large < 1024, measured
+        # Measured: 0 bytes, in each run (each reaped foresight child's reads are left out). The
+        # count takes in every file, and a module or a shared library's page first touched under
+        # load reads as a chunk would (a CI run measured 4.4 MB once): the table's files are
+        # named above, and this bounds what reads could pass by the names.
+        assert 0 <= read_small < 16 << 20 and 0 <= read_large < 16 << 20, (measured, named)
         assert owner_small > 0, measured  # the 1% cache's misses were read, elsewhere
 
 
