@@ -7,15 +7,17 @@
 - ``gradient.py``: :class:`TableGradient`, the table's gradient as ``pipe.parameter.grad``, and
   the optimizer step that takes it;
 - ``writeback.py``: :class:`Writeback`, the queue and thread that apply the table's steps;
-- ``lookahead.py``: the batches' order seen ahead (:class:`Foresight`, :class:`Stream`), which
-  feeds the lookahead policy;
+- ``batchorder.py``: the order of a loader's batches as the DataLoader draws it
+  (:class:`Foresight` in its ``batch_sampler`` place);
+- ``lookahead.py``: the batches seen ahead (:class:`Stream`), which feeds the lookahead policy;
 - ``foresee.py``: the forked child that reads the ids of the batches ahead.
 
 The row optimizers themselves are ``embedpipe.optim`` (pure functions of rows and state).
 """
 
+from .batchorder import Foresight
 from .gradient import TableGradient
-from .lookahead import Foresight, Stream
+from .lookahead import Stream
 from .owner import Owner
 from .writeback import Writeback
 

@@ -1,6 +1,6 @@
 """Foreseeing the ids of the batches a loader will hand off next, for the lookahead policy.
 
-A map-style dataset's order is its sampler's: :class:`Foresight` stands in the loader's
+A map-style dataset's order is its sampler's: ``batchorder.Foresight`` stands in the loader's
 ``batch_sampler`` place (the same batches, in the same order) and tells the :class:`Stream`
 which batch the DataLoader dispatches to a worker, as it draws it. The ids of the batches after
 it are read by a child forked at the epoch's first draw, from copies of the sampler's iterator
@@ -43,11 +43,10 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
-from torch.utils.data import BatchSampler
 
 from ..cache.copies import Copy, from_copies
 from ..cache.rowcache import RowCache
@@ -55,6 +54,7 @@ from ..cache.sharedrows import SharedRows
 from ..cache.shm import SharedBlock
 from ..store.layout import WEIGHT
 from ..store.table import Table
+from .batchorder import Ahead
 from .foresee import IdsReader, can_fork, silent
 
 
@@ -83,87 +83,6 @@ class Owner(Protocol):
 KEEP_UP_BATCHES = JUDGED_BATCHES = 16
 #: The share of a batch's misses read from the disk at which the reader hands them back.
 COLD_SHARE = 0.5
-
-
-class Ahead:
-    """The sampler's iterator as the DataLoader draws it: ``on_first(self)`` runs once the
-    DataLoader has drawn the first batch (the stream starts only then: see :class:`Foresight`);
-    ``on_draw(number)`` runs before the DataLoader gets batch ``number`` (to dispatch it to a
-    worker): the stream moves its window past that batch there."""
-
-    def __init__(self, inner: Iterator[Any]) -> None:
-        self.inner = inner
-        self.drawn = 0  # batches the DataLoader has drawn
-        self.on_first: Callable[[Ahead], None] | None = None
-        self.on_draw: Callable[[int], None] | None = None
-        self.exhausted = False  # the DataLoader has drawn every batch
-
-    def __iter__(self) -> Ahead:
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            item = next(self.inner)
-        except StopIteration:
-            self.exhausted = True
-            raise
-        number = self.drawn
-        self.drawn += 1
-        if self.on_draw is not None:
-            self.on_draw(number)
-        if self.on_first is not None:
-            first, self.on_first = self.on_first, None
-            first(self)
-        return item
-
-
-class Foresight(BatchSampler):
-    """The loader's batch sampler, the same batches in the same order, iterated through
-    :class:`Ahead` with a :class:`Stream` foreseeing from the first batch the DataLoader draws.
-
-    Being the loader's ``batch_sampler`` (a ``BatchSampler``, whose ``sampler`` a framework may
-    replace), it serves the loaders frameworks build from it too: Accelerate's ``prepare`` and
-    ``skip_first_batches`` (Trainer). Made as a ``BatchSampler`` (Lightning's) it is one."""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        return BatchSampler(*args, **kwargs) if "batch_size" in kwargs else super().__new__(cls)
-
-    def __init__(
-        self,
-        batch_sampler: BatchSampler,
-        owner: Owner,
-        dataset: Any,
-        ids_key: str,
-        source: Any,
-        defer: SharedBlock | None,
-    ) -> None:
-        super().__init__(batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last)
-        self._owner, self._dataset, self._ids_key = owner, dataset, ids_key
-        self._source, self._defer = source, defer
-        self._stream: Stream | None = None
-        self._order: Ahead | None = None  # the iterator of the epoch it foresees
-
-    def __iter__(self) -> Iterator[list[int]]:
-        self.stop()  # a new epoch of this loader: its last one is over
-        order = Ahead(super().__iter__())
-        order.on_first = self._begin  # (no closure over order: torch drops one unused each epoch)
-        return order
-
-    def _begin(self, order: Ahead) -> None:
-        """The DataLoader drew its first batch: foresight may go on from there. Not sooner: a
-        sampler draws its order when first asked (``RandomSampler`` from torch's global
-        generator, accelerate's ``SeedableRandomSampler`` from its epoch), so the fork's copy of
-        the iterator then holds the order this epoch will really have."""
-        self.stop()  # an epoch begun before this one's first draw (zip(loader, loader))
-        self._order = order
-        self._stream = self._owner.start_stream(
-            self._dataset, self._ids_key, order, self._source, self._defer
-        )
-
-    def stop(self, order: Ahead | None = None) -> None:  # given ``order``: if still its epoch's
-        if self._stream is not None and order in (None, self._order):
-            self._owner.end_stream(self._stream)
-            self._stream = None
 
 
 class Stream:

@@ -46,11 +46,12 @@ from ..store.table import Table
 from ..worker.batch import EmbeddedBatch
 from ..worker.looked_up import LookedUp
 from . import durability, lookahead, reads
+from .batchorder import Ahead
 from .computed import Computed
 from .foresee import BatchIds, IdsReader
 from .gradcheck import refuse_non_finite, without_padding
 from .gradient import TableGradient
-from .lookahead import Ahead, Stream
+from .lookahead import Stream
 from .reads import ReadAhead
 from .writeback import Writeback
 

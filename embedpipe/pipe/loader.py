@@ -29,7 +29,7 @@ from ..cache import budget
 from ..cache.ring import DEFAULT_RING_ROWS, BatchRing
 from ..cache.shm import SharedBlock
 from ..errors import WorkerDiedError
-from ..owner.lookahead import Foresight
+from ..owner.batchorder import Foresight
 from ..worker.batch import EmbeddedBatch
 from ..worker.collate import PadCollator
 from ..worker.looked_up import LookedUp

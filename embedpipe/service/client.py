@@ -47,9 +47,10 @@ from ..errors import OwnerDiedError
 from ..ids import as_ids, unique_inverse
 from ..optim import RowOptimizer
 from ..owner import durability
+from ..owner.batchorder import Ahead
 from ..owner.gradcheck import refuse_non_finite, without_padding
 from ..owner.gradient import TableGradient
-from ..owner.lookahead import LOOKAHEAD, Ahead, look_blind, start_stream
+from ..owner.lookahead import LOOKAHEAD, look_blind, start_stream
 from ..owner.owner import take_options
 from ..store.checkpoints import Checkpoint, latest
 from ..store.layout import read_table_metadata

@@ -28,8 +28,8 @@ import contextlib
 from typing import Any
 
 from ..cache.shm import SharedBlock
+from ..owner.batchorder import Ahead
 from ..owner.foresee import BatchIds, IdsReader
-from ..owner.lookahead import Ahead
 
 
 class RemoteStream:

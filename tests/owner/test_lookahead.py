@@ -17,7 +17,7 @@ from embedpipe.cache.policy import NEVER, Lookahead, make_policy
 from embedpipe.cache.rowcache import RowCache
 from embedpipe.cache.sharedrows import SharedRows
 from embedpipe.owner import foresee
-from embedpipe.owner.lookahead import Ahead
+from embedpipe.owner.batchorder import Ahead
 from embedpipe.tools import simulate
 
 from ..helpers import VOCAB, train_offloaded, train_reference, zipf_dataset

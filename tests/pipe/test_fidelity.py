@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 import torch
 from torch.utils.data import (
+    BatchSampler,
     DataLoader,
     Dataset,
     IterableDataset,
+    RandomSampler,
     Sampler,
     SubsetRandomSampler,
     WeightedRandomSampler,
@@ -62,10 +64,13 @@ class NoisyTokens(Dataset):
         return {"input_ids": torch.from_numpy(ids)}
 
 
-def loop(loader, embed, step, epochs: int = 2) -> tuple[list, list]:
-    """A training loop with a dropout of its own: the batches' ids and the loop's draws."""
+def loop(loader, embed, step, between=None) -> tuple[list, list]:
+    """A training loop with a dropout of its own, over 2 epochs: the batches' ids and the loop's
+    draws; ``between(loader)``: 3 epochs, and it runs before the second and the third."""
     batches, draws = [], []
-    for epoch in range(epochs):
+    for epoch in range(2 if between is None else 3):
+        if epoch and between is not None:
+            between(loader)
         sampler = getattr(loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
@@ -85,7 +90,7 @@ def batched(options: dict) -> dict:
     return options if "batch_sampler" in options else {"batch_size": BATCH, **options}
 
 
-def reference(dataset, weight: torch.Tensor, num_workers: int, **loader_options):
+def reference(dataset, weight: torch.Tensor, num_workers: int, between=None, **loader_options):
     """nn.Embedding + torch Adagrad fed by a plain DataLoader."""
     embedding = torch.nn.Embedding(V, D, _weight=weight.clone())
     optimizer = torch.optim.Adagrad(embedding.parameters(), lr=0.3)
@@ -96,12 +101,20 @@ def reference(dataset, weight: torch.Tensor, num_workers: int, **loader_options)
 
     seed_everything()
     loader = DataLoader(dataset, num_workers=num_workers, **batched(loader_options))
-    batches, draws = loop(loader, lambda b: embedding(b["input_ids"]), step)
+    batches, draws = loop(loader, lambda b: embedding(b["input_ids"]), step, between=between)
     return embedding.weight.detach(), batches, draws
 
 
 def offloaded(
-    dataset, path, weight, num_workers, cache_rows, policy, owner="thread", **loader_options
+    dataset,
+    path,
+    weight,
+    num_workers,
+    cache_rows,
+    policy,
+    owner="thread",
+    between=None,
+    **loader_options,
 ):
     """The same loop through an EmbeddingPipe, the table stepped by a torch optimizer."""
     embedpipe.Table.from_tensor(path, weight, chunk_rows=32).close()
@@ -120,7 +133,7 @@ def offloaded(
 
         seed_everything()
         loader = pipe.loader(dataset, num_workers=num_workers, **batched(loader_options))
-        batches, draws = loop(loader, lambda b: b["inputs_embeds"], step)
+        batches, draws = loop(loader, lambda b: b["inputs_embeds"], step, between=between)
         stats = pipe.stats()
     return embedpipe.Table.open(path).to_tensor(), batches, draws, stats
 
@@ -344,6 +357,37 @@ def test_datasets_and_samplers_people_write_see_the_same_batches(
     expected = reference(dataset, weight, num_workers, **options)
     dataset, options = CASES[case]()  # fresh samplers: their state is part of the run
     got = offloaded(dataset, tmp_path / "t.zarr", weight, num_workers, 20, "auto", owner, **options)
+    same_runs(got, expected)
+    assert torch.equal(got[0], expected[0])
+
+
+# A BatchSampler the program holds and changes between epochs (a curriculum): a DataLoader reads
+# its settings at each epoch (NOTE [ A batch sampler the program holds ] in owner/batchorder.py).
+CHANGES = {
+    "batch size doubled": lambda held, loader: setattr(held, "batch_size", held.batch_size * 2),
+    "drop_last set": lambda held, loader: setattr(held, "drop_last", True),
+    "sampler swapped": lambda held, loader: setattr(
+        held, "sampler", SubsetRandomSampler(range(0, 62, 2))
+    ),
+    "batch size set through the loader": lambda held, loader: setattr(
+        loader.batch_sampler, "batch_size", 6
+    ),
+}
+
+
+@pytest.mark.parametrize("owner", ["thread", "process"])
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_batch_sampler_changed_between_epochs_gives_the_next_epoch_its_batches(
+    tmp_path, weight, change, owner
+):
+    def run(train):
+        held = BatchSampler(RandomSampler(Count(62)), 4, drop_last=False)
+        return train(
+            Count(62), between=lambda loader: CHANGES[change](held, loader), batch_sampler=held
+        )
+
+    expected = run(lambda *a, **k: reference(*a, weight, 0, **k))
+    got = run(lambda *a, **k: offloaded(*a, tmp_path / "t.zarr", weight, 0, 20, "auto", owner, **k))
     same_runs(got, expected)
     assert torch.equal(got[0], expected[0])
 
