@@ -99,8 +99,10 @@ class Foresight(BatchSampler):
         source: Any,
         defer: SharedBlock | None,
     ) -> None:
-        self._inner = batch_sampler  # first: the settings below are its (see the NOTE)
-        super().__init__(batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last)
+        # No BatchSampler.__init__: the settings are the batch sampler's, which has them (set
+        # through the properties, they would be set on it again, and a Lightning hook's record
+        # of attributes set would land on the program's object)
+        self._inner = batch_sampler
         self._owner, self._dataset, self._ids_key = owner, dataset, ids_key
         self._source, self._defer = source, defer
         self._stream: Any = None  # a lookahead.Stream

@@ -376,20 +376,31 @@ CHANGES = {
 
 
 @pytest.mark.parametrize("owner", ["thread", "process"])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_a_batch_sampler_changed_between_epochs_gives_the_next_epoch_its_batches(
-    tmp_path, weight, change, owner
+    tmp_path, weight, change, num_workers, owner
 ):
+    held = {}
+
     def run(train):
-        held = BatchSampler(RandomSampler(Count(62)), 4, drop_last=False)
+        held["sampler"] = BatchSampler(RandomSampler(Count(62)), 4, drop_last=False)
         return train(
-            Count(62), between=lambda loader: CHANGES[change](held, loader), batch_sampler=held
+            Count(62),
+            between=lambda loader: CHANGES[change](held["sampler"], loader),
+            batch_sampler=held["sampler"],
         )
 
-    expected = run(lambda *a, **k: reference(*a, weight, 0, **k))
-    got = run(lambda *a, **k: offloaded(*a, tmp_path / "t.zarr", weight, 0, 20, "auto", owner, **k))
+    expected = run(lambda *a, **k: reference(*a, weight, num_workers, **k))
+    got = run(
+        lambda *a, **k: offloaded(
+            *a, tmp_path / "t.zarr", weight, num_workers, 20, "auto", owner, **k
+        )
+    )
     same_runs(got, expected)
     assert torch.equal(got[0], expected[0])
+    if change == "batch size set through the loader":  # it reached the program's object
+        assert held["sampler"].batch_size == 6
 
 
 class Where(Dataset):
