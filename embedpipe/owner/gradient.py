@@ -42,8 +42,9 @@ group that holds the parameter:
   times the group's rate relative to the rate it was built with, ``group["lr"] / built``.
   ``built`` is the group's ``initial_lr`` where a scheduler set one; otherwise the group's rate
   when embedpipe first saw the optimizer: when the pipe was made, at the pipe's first batch, or
-  at the optimizer's first step, whichever came first (there, a rate other than the optimizer's
-  default ``defaults['lr']`` is warned about: a warmup may have begun), kept in the group as
+  at the optimizer's first step, whichever came first (a rate other than the optimizer's default
+  ``defaults['lr']`` then is warned about: a warmup or a resumed decay may have begun, NOTE [ A
+  rate changed before embedpipe saw it ] in ``builtrate.py``), kept in the group as
   ``group["embedpipe_built_lr"]`` so that it travels with ``optimizer.state_dict()`` (a resumed
   run restores it). So a hand-written warmup (which sets the rate inside the loop, after the
   batch is drawn), ``ReduceLROnPlateau`` and a rate changed by hand scale the table as they
@@ -82,6 +83,7 @@ from torch.optim.optimizer import (
 
 from ..errors import EmbeddingsOffloadedError
 from ..store.layout import remembered_steps
+from .builtrate import BUILT_LR, optimizer_of, see_first
 from .freshstate import STEPPED, count_step, has_stepped, refuse_fresh_state, steps_here
 from .gradcheck import passed_by, warn_replaced, warn_unreached
 from .groupsettings import refuse_unmatched_settings
@@ -142,7 +144,7 @@ class TableGradient:
         self._value_hook: Any = None
         self.trains()
         self.clear()  # an adopted parameter may hold what an earlier pipe left
-        self.see_optimizers()  # optimizers built before the pipe: their rates as built
+        self.see_optimizers("when the pipe was made")  # optimizers built before: rates as built
 
     def trains(self) -> bool:
         """The parameter requires grad (the table is not frozen). Then it is hooked to refuse a
@@ -279,7 +281,7 @@ class TableGradient:
                 "LBFGS cannot train an offloaded table: its line search re-evaluates the loss "
                 "at trial points of every parameter; leave pipe.parameter out of it"
             )
-        _see_at_step(optimizer, group)
+        see_first(optimizer, group, "at this step", stacklevel=5)  # the program's step()
         leaves, self.leaves = self.leaves, 0
         if leaves and not self.backwards and not self._warned_unreached:  # (NOTE in gradcheck.py)
             self._warned_unreached = passed_by(optimizer, self.parameter) and warn_unreached(leaves)
@@ -367,7 +369,7 @@ class TableGradient:
                 self._taken = (grad, grad._version)
 
     # ----------------------------------------------------------------------------- rates
-    def see_optimizers(self) -> None:
+    def see_optimizers(self, when: str = "at the pipe's first batch") -> None:
         """Note the rate of every group that holds the parameter, in every optimizer alive, as
         first seen (NOTE [ The table's learning rate ]): when the pipe is made and at its first
         batch. A group is a dict whose ``params`` list holds the parameter: two walks of the
@@ -377,7 +379,7 @@ class TableGradient:
         held = {id(params) for params in lists}
         for group in gc.get_referrers(*lists) if lists else ():
             if type(group) is dict and "lr" in group and id(group.get("params")) in held:
-                _see(group)
+                see_first(optimizer_of(group), group, when)
 
     def _group_lr(self, optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> float | None:
         """The table's learning rate for a step by ``group`` (see the NOTE)."""
@@ -412,10 +414,6 @@ class TableGradient:
         if self._value_hook is not None:
             self._value_hook.remove()
 
-
-#: The key of a shared group's rate when embedpipe first saw it (NOTE [ The table's learning
-#: rate ]); optimizers ignore keys they do not know, and ``state_dict`` carries it.
-BUILT_LR = "embedpipe_built_lr"
 
 #: The attribute ``offload`` sets on the embedding weight it replaces (the table's path).
 OFFLOADED = "_embedpipe_offloaded"
@@ -452,35 +450,6 @@ def _group_of(optimizer: torch.optim.Optimizer, parameter: nn.Parameter) -> dict
     return next(
         (g for g in optimizer.param_groups if any(p is parameter for p in g["params"])), None
     )
-
-
-def _see(group: dict[str, Any]) -> None:
-    """Note the group's rate as first seen, in the group itself, so that it travels with the
-    optimizer's state_dict (a resumed run's decayed rate is not taken for the built one)."""
-    group.setdefault(BUILT_LR, float(group["lr"]))
-
-
-def _see_at_step(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
-    """:func:`_see` at an optimizer's step. A shared group first seen there (its optimizer was
-    built after the pipe's first batch) at another rate than the optimizer's default may have
-    been warmed up by hand already, or built with a rate of its own: that is warned about."""
-    if (
-        BUILT_LR not in group
-        and "initial_lr" not in group
-        and len(group["params"]) > 1
-        and group["lr"] != optimizer.defaults.get("lr")
-    ):
-        warnings.warn(
-            f"the {type(optimizer).__name__} group that holds the embedding table, first seen "
-            f"by embedpipe at this step, is at a rate of {group['lr']}, not the optimizer's "
-            f"default {optimizer.defaults.get('lr')}: the table's rate follows the group's as "
-            f"a factor of {group['lr']}, taken as the rate the group was built with. If a "
-            "warmup has changed it already, set group['initial_lr'] to the built rate (as "
-            "LRScheduler does), or build the optimizer before the pipe's first batch",
-            RuntimeWarning,
-            stacklevel=5,  # the program's optimizer.step()
-        )
-    _see(group)
 
 
 def _refuse_stale(optimizer: torch.optim.Optimizer) -> None:

@@ -481,6 +481,41 @@ def test_an_optimizer_built_mid_run_at_another_rate_than_its_default_is_warned_a
             optimizer.zero_grad()
 
 
+@pytest.mark.parametrize("owner", ["thread", "process"])
+def test_a_rate_set_before_the_first_batch_is_warned_about_and_initial_lr_says_it(tmp_path, owner):
+    """NOTE [ A rate changed before embedpipe saw it ] (owner/builtrate.py). Found by a probe: a
+    resumed run setting its decayed rate (0.1 * 0.5**3) before the loop, in a fresh optimizer
+    whose one group is shared, had that rate taken for the built one and trained the table 8x
+    too fast, silently. It is warned about; with group['initial_lr'] = 0.1 the table's rate is
+    Adagrad's times 0.125, as nn.Embedding in a matching optimizer gets it."""
+    data = samples(16)
+    reference = Toy()
+    dense = torch.optim.AdamW(reference.lin.parameters(), lr=0.0125)
+    adagrad = torch.optim.Adagrad([reference.emb.weight], **{**ADAGRAD, "lr": ADAGRAD["lr"] / 8})
+    for batch in torch.utils.data.DataLoader(data, batch_size=4):
+        loss(reference, batch, False).backward()
+        step_both(dense, adagrad)
+    for said in (False, True):
+        model = Toy()
+        with offloaded(tmp_path, model, f"t{int(said)}.zarr", owner=owner) as pipe:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)  # one group, shared
+            optimizer.param_groups[0]["lr"] = 0.0125  # the decay of the steps before the resume
+            if said:
+                optimizer.param_groups[0]["initial_lr"] = 0.1
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for batch in pipe.loader(data, batch_size=4):
+                    loss(model, batch, True).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            rates = [w for w in caught if "first seen by embedpipe at the pipe's first" in str(w)]
+            assert len(rates) == (0 if said else 1), [str(w.message) for w in caught]
+            if said:
+                assert torch.allclose(table(pipe), reference.emb.weight.detach(), rtol=0, atol=1e-7)
+            else:
+                assert rates[0].filename == __file__  # the program's loop
+
+
 @pytest.mark.parametrize(
     "second", ["new", "new-frozen-first", "new-adagrad", "loaded", "loaded-unmarked", "sgd"]
 )
