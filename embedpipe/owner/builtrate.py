@@ -31,32 +31,33 @@ _DATA = os.path.dirname(os.path.abspath(torch.utils.data.__file__))
 
 
 def see_first(
-    optimizer: torch.optim.Optimizer | None, group: dict[str, Any], when: str, stacklevel: int = 0
+    group: dict[str, Any],
+    when: str,
+    optimizer: torch.optim.Optimizer | None = None,
+    stacklevel: int = 0,
 ) -> None:
     """Note ``group``'s rate as built, if not noted yet, in the group itself (it travels with the
     optimizer's state_dict: a resumed run's decayed rate is not taken for the built one). A group
-    shared with other parameters at another rate than ``optimizer``'s default (None: its
-    optimizer was not found) is warned about, at ``stacklevel`` as ``warnings.warn`` counts it
-    from here (0: the program's frame that called into embedpipe or the DataLoader)."""
-    if (
-        optimizer is not None
-        and BUILT_LR not in group
-        and "initial_lr" not in group
-        and len(group["params"]) > 1
-        and group["lr"] != optimizer.defaults.get("lr")
-    ):
-        warnings.warn(
-            f"the {type(optimizer).__name__} group that holds the embedding table, first seen "
-            f"by embedpipe {when}, is at a rate of {group['lr']}, not the optimizer's default "
-            f"{optimizer.defaults.get('lr')}: the table's rate follows the group's as a factor "
-            f"of {group['lr']}, taken as the rate the group was built with. If a warmup or a "
-            "resumed schedule has changed it already, set group['initial_lr'] to the built rate "
-            "(as LRScheduler does) or load the optimizer's state_dict (it carries the rate "
-            "embedpipe saw first); a group built at a rate of its own says so with "
-            "group['initial_lr'] too",
-            RuntimeWarning,
-            stacklevel=stacklevel or _program_stacklevel(),
-        )
+    shared with other parameters at another rate than its optimizer's default is warned about
+    (``optimizer``: the group's; None: looked for, only then), at ``stacklevel`` as
+    ``warnings.warn`` counts it from here (0: the program's frame that called into embedpipe or
+    the DataLoader)."""
+    if BUILT_LR not in group and "initial_lr" not in group and len(group["params"]) > 1:
+        if optimizer is None:
+            optimizer = optimizer_of(group)
+        if optimizer is not None and group["lr"] != optimizer.defaults.get("lr"):
+            warnings.warn(
+                f"the {type(optimizer).__name__} group that holds the embedding table, first "
+                f"seen by embedpipe {when}, is at a rate of {group['lr']}, not the optimizer's "
+                f"default {optimizer.defaults.get('lr')}: the table's rate follows the group's "
+                f"as a factor of {group['lr']}, taken as the rate the group was built with. If "
+                "a warmup or a resumed schedule has changed it already, set "
+                "group['initial_lr'] to the built rate (as LRScheduler does) or load the "
+                "optimizer's state_dict (it carries the rate embedpipe saw first); a group "
+                "built at a rate of its own says so with group['initial_lr'] too",
+                RuntimeWarning,
+                stacklevel=stacklevel or _program_stacklevel(),
+            )
     group.setdefault(BUILT_LR, float(group["lr"]))
 
 

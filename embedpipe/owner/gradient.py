@@ -83,7 +83,7 @@ from torch.optim.optimizer import (
 
 from ..errors import EmbeddingsOffloadedError
 from ..store.layout import remembered_steps
-from .builtrate import BUILT_LR, optimizer_of, see_first
+from .builtrate import BUILT_LR, see_first
 from .freshstate import STEPPED, count_step, has_stepped, refuse_fresh_state, steps_here
 from .gradcheck import passed_by, warn_replaced, warn_unreached
 from .groupsettings import refuse_unmatched_settings
@@ -281,7 +281,7 @@ class TableGradient:
                 "LBFGS cannot train an offloaded table: its line search re-evaluates the loss "
                 "at trial points of every parameter; leave pipe.parameter out of it"
             )
-        see_first(optimizer, group, "at this step", stacklevel=5)  # the program's step()
+        see_first(group, "at this step", optimizer, stacklevel=5)  # the program's step()
         leaves, self.leaves = self.leaves, 0
         if leaves and not self.backwards and not self._warned_unreached:  # (NOTE in gradcheck.py)
             self._warned_unreached = passed_by(optimizer, self.parameter) and warn_unreached(leaves)
@@ -379,7 +379,7 @@ class TableGradient:
         held = {id(params) for params in lists}
         for group in gc.get_referrers(*lists) if lists else ():
             if type(group) is dict and "lr" in group and id(group.get("params")) in held:
-                see_first(optimizer_of(group), group, when)
+                see_first(group, when)
 
     def _group_lr(self, optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> float | None:
         """The table's learning rate for a step by ``group`` (see the NOTE)."""
