@@ -55,8 +55,10 @@ class MemoryBudgetWarning(RuntimeWarning):
 # the model take their own: a 10% cache of a 3 GiB table fitted a 768 MiB cgroup when made and
 # was killed by the kernel, with no word, as it filled (docs/benchmarks.md). So while the cache
 # fills, the owner compares what it will still take (its shared block's pages not yet touched,
-# and as large a share of its optimizer state) with the room left, every few hand-offs, and
-# warns once before the kernel kills the job.
+# and as large a share of its optimizer state) with the room left, every few hand-offs where
+# the cache took pages since the last look, and warns once before the kernel kills the job. A
+# cache that takes no more (every row its batches use is in it: a whole table cached) is not
+# looked at again: a look reads 11 files (0.6 ms), 1.5% of such a training batch.
 
 
 # ----------------------------------------------------------------------------- what a pipe costs

@@ -63,7 +63,7 @@ COUNTS = ("batches", "hits", "misses", "deferred", "filled_ahead", "refreshed", 
 
 
 #: Hand-offs between two looks at the memory a filling cache will still take (NOTE [ A cache
-#: that fills past the memory ] in ``cache/budget.py``; a look costs ~0.25 ms).
+#: that fills past the memory ] in ``cache/budget.py``): the pages it took, then the room left.
 FILL_CHECK_EVERY = 8
 
 
@@ -116,6 +116,7 @@ class Owner:
             self.gradient = TableGradient(table, optimizer, self.check_step, self.submit, parameter)
         self.counts = dict.fromkeys(COUNTS, 0)
         self._filling = policy.cache_rows > 0  # the cache may still fill: NOTE in cache/budget.py
+        self._unfilled: int | None = None  # what it would still take at the last look
         self._step_in_progress: int | None = None  # for the messages of failed table writes
         self._computed: Computed | None = None  # the last step's rows, once computed
         #: The policy sees the loader's next batches (``lookahead.py``); ``stream`` feeds it.
@@ -230,10 +231,18 @@ class Owner:
         self.counts["hits"] += hits
         self.counts["misses"] += misses
         if self._filling and self.counts["batches"] % FILL_CHECK_EVERY == 0:  # NOTE in budget.py
-            self._filling = False  # once, even if the warning raises (-W error)
-            unfilled = self.cache.unfilled_bytes()
-            self._filling = budget.warn_if_fill_will_not_fit(unfilled, self.shared.cache_rows)
+            self._look_at_the_fill()
         return rows, step, tick
+
+    def _look_at_the_fill(self) -> None:
+        """Warn if what the cache will still take will not fit; looked at (the room left: 11
+        file reads, ~0.6 ms) only where the cache took pages since the last look: a cache whose
+        batches' rows are all in it (a whole table cached) takes no more."""
+        unfilled = self.cache.unfilled_bytes()
+        if unfilled == self._unfilled:
+            return
+        self._unfilled, self._filling = unfilled, False  # once, even if it raises (-W error)
+        self._filling = budget.warn_if_fill_will_not_fit(unfilled, self.shared.cache_rows)
 
     def relookup(self, batch: EmbeddedBatch, ids: torch.Tensor) -> None:
         """``batch``'s ids were edited in place after its rows were looked up: gather the rows
