@@ -253,6 +253,7 @@ class RowCache:
         key: tuple[int, int] | None = None,
         stepped: tuple[np.ndarray, dict[str, np.ndarray]] | None = None,
         given: bool = False,
+        whole: bool = False,
     ) -> None:
         """Keep the rows of a training batch that are not cached, with their optimizer state
         read from the table now (a copy, current at this tick), for its optimizer step, so the
@@ -264,22 +265,24 @@ class RowCache:
         holds the mask of the ids that step changed and their new state. ``rows`` need hold
         only the rows the cache lacks and those the step changed; ``given``: ``rows`` holds
         every row and the caller hands it over, so the copy is ``rows`` itself (an owner process
-        whose hand-off read the batch ahead). Not for the :data:`PREPARE_RETRY` steps after a
-        step that could not take its copy.
+        whose hand-off read the batch ahead); ``whole``: ``rows`` holds every row, final, and the
+        copy is a copy of it (the owner's thread: one copy, not a gather of the cached rows and
+        two overlays). Not for the :data:`PREPARE_RETRY` steps after a step that could not take
+        its copy.
         """
         slots = self.shared.slot_of[ids].astype(np.int64)
         self._load_state(slots[slots >= 0])
         missing = np.flatnonzero(slots < 0)
         if key is not None and not self._unprepared:
             # the cached rows from the cache (an owner process has only the others in ``rows``)
-            mine, state = self._cached(slots, rows=not given)
+            mine, state = self._cached(slots, rows=not (given or whole))
             kept = rows[missing]  # a copy: kept, as the uncached rows before the step
             kept_state = {
                 name: self._fetch(ids[missing], name) if len(missing) else array[missing]
                 for name, array in state.items()
             }
-            if given:
-                mine = rows
+            if given or whole:
+                mine = rows if given else rows.copy()
             else:
                 mine[missing] = kept
                 if stepped is not None:  # the last step's rows, which the cache may not have yet

@@ -224,7 +224,8 @@ class Owner:
                 key = (self.generation, step) if self.takes_computed_rows else None
                 new = {} if where is None else {k: v[where] for k, v in computed.state.items()}
                 given = ahead is not None and owned is None and deliver is not None
-                self.cache.stage(mine, my_rows, key, (changed, new), given)
+                whole = deliver is None and owned is None  # (an owner process's has only some)
+                self.cache.stage(mine, my_rows, key, (changed, new), given, whole)
                 if self.looks_ahead:
                     self.cache.policy.hold(ids)
         self.counts["batches"] += 1
