@@ -133,3 +133,37 @@ def test_concurrent_reads_never_return_a_torn_or_wrong_row():
         stop.set()
         owner.join(timeout=60)
     assert owner.exitcode == 0 and hits >= 2000
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "auto"])
+def test_a_cache_of_the_whole_table_admits_every_row_and_never_evicts_one(policy):
+    """Every row fits: each batch's new ids take free slots (no policy asked, none of its use
+    counts kept), no row is evicted, and no dirty row is written ahead of an eviction."""
+    from embedpipe.cache.policy import make_policy
+
+    table = {"weight": np.arange(V * D, dtype=np.float32).reshape(V, D)}
+    writes = []
+    shared = SharedRows(V, V, D, np.float32)
+    cache = RowCache(
+        shared,
+        make_policy(policy, V, V),
+        lambda ids, name: table[name][ids].copy(),
+        lambda ids, rows, name: writes.append(ids.copy()),
+    )
+    assert cache.holds_table
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        ids = np.unique(rng.integers(0, V, 12))
+        cache.admit(ids, table["weight"][ids])
+        work = cache.gather(ids[:3])  # a step dirties some of them
+        work.rows += 1
+        cache.write_uncached(work, work.uncached())
+        cache.put_back(work)
+        table["weight"][ids[:3]] += 1
+        assert cache.clean_ahead() == 0
+    cached = np.flatnonzero(shared.slot_of >= 0)
+    assert cache.counts["evictions"] == 0 and not writes
+    rows, hit = shared.read(cached)
+    assert hit.all()
+    np.testing.assert_array_equal(rows, table["weight"][cached])
+    assert len(cached) == len(np.unique(shared.slot_id[shared.slot_id >= 0]))
