@@ -102,7 +102,8 @@ def _refuse_tied(model: nn.Module, embeddings: nn.Module, placeholder: Offloaded
     tied = _tied_names(model, embeddings, placeholder)
     if not tied:
         return
-    output = getattr(model.get_output_embeddings(), "weight", None)
+    outputs = getattr(model, "get_output_embeddings", None)  # (a hand-written model may lack it)
+    output = getattr(outputs(), "weight", None) if callable(outputs) else None
     remedy = (
         "call embedpipe.hf.untie(model) to give the output layer its own copy, then offload"
         if _same_storage(output, weight)

@@ -220,6 +220,33 @@ def test_tied_model_is_refused_before_anything_is_written(tmp_path, make, input_
     assert model.get_output_embeddings().weight is embeddings.weight
 
 
+def test_a_hand_written_model_with_a_tied_head_is_refused_too(tmp_path):
+    """A model with get_input_embeddings but no get_output_embeddings (found by a probe: an
+    AttributeError came out of the check, not the refusal)."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(V, D)
+            self.head = torch.nn.Linear(D, V, bias=False)
+            self.head.weight = self.emb.weight
+
+        def get_input_embeddings(self):
+            return self.emb
+
+        def set_input_embeddings(self, module):
+            self.emb = module
+
+        def forward(self, inputs_embeds):
+            return self.head(inputs_embeds)
+
+    model = Tied()
+    path = tmp_path / "vocab.zarr"
+    with pytest.raises(TiedWeightsError, match=r"emb\.weight is tied to head\.weight.*own copy"):
+        offload(model, path)
+    assert not path.exists() and isinstance(model.emb, torch.nn.Embedding)
+
+
 def test_untie_then_offload_keeps_the_mlm_outputs(tmp_path):
     model = bert("BertForMaskedLM")
     ids, mask = batch()
