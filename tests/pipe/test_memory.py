@@ -127,6 +127,26 @@ def test_a_cache_that_will_not_fit_as_it_fills_warns_before_it_does(tmp_path, mo
                 batch["inputs_embeds"]
 
 
+def test_a_cache_that_takes_no_more_pages_is_not_looked_at_again(tmp_path, monkeypatch):
+    """The look at the room left (11 file reads) runs every 8 batches only while the cache takes
+    pages: batches whose rows are all cached (a whole table, the same ids) take none, so after
+    the first look there is none, until a batch brings new rows."""
+    from embedpipe.cache import budget
+
+    embedpipe.Table.create(tmp_path / "t.zarr", 20_000, 64).close()
+    same = [{"input_ids": torch.arange(128)} for _ in range(40)]
+    fresh = [{"input_ids": torch.arange(i * 128, (i + 1) * 128)} for i in range(1, 9)]
+    looks = []  # the owner's looks: each compares what the cache will take with the room left
+    monkeypatch.setattr(budget, "warn_if_fill_will_not_fit", lambda *a: looks.append(a) or True)
+    with EmbeddingPipe(tmp_path / "t.zarr", cache_rows=20_000, owner="thread") as pipe:
+        for batch in pipe.loader(same, batch_size=1):
+            batch["inputs_embeds"]
+        assert len(looks) == 1  # at batch 8; batches 16, 24, 32 and 40 took no pages
+        for batch in pipe.loader(fresh, batch_size=1):
+            batch["inputs_embeds"]
+        assert len(looks) == 2  # batch 48: the new rows took pages
+
+
 def test_a_new_training_cache_has_its_optimizer_state_still_to_fill(tmp_path):
     """What a cache will still take counts its optimizer state by the share of its rows still
     untouched, not by the share of the whole shared block (whose per-table-row index is
