@@ -149,15 +149,15 @@ class RowCache:
             return
         slots = self.shared.slot_of[ids].astype(np.int64)
         new = np.flatnonzero(slots < 0)
-        if len(new) and self.holds_table:  # a free slot for every row: no policy to ask
-            admitted, free = new, np.flatnonzero(self.shared.slot_id < 0)[: len(new)]
-            self._replace(free, ids[admitted], rows[admitted])
-        elif len(new):
-            keep = np.flatnonzero(self.pinned)
-            if self.policy.keeps_batch:
-                keep = np.concatenate([slots[slots >= 0], keep])
-            chosen, free = self.policy.plan(ids[new], keep, self.shared.slot_id)
-            admitted = new[chosen]
+        if len(new):
+            if self.holds_table:  # a free slot for every row: no policy to ask
+                admitted, free = new, np.flatnonzero(self.shared.slot_id < 0)[: len(new)]
+            else:
+                keep = np.flatnonzero(self.pinned)
+                if self.policy.keeps_batch:
+                    keep = np.concatenate([slots[slots >= 0], keep])
+                chosen, free = self.policy.plan(ids[new], keep, self.shared.slot_id)
+                admitted = new[chosen]
             self._replace(free, ids[admitted], rows[admitted])
             # where the batch's ids are now (unless the policy keeps them, the batch has its copy:
             # its own rows may have gone for its misses)
@@ -260,8 +260,8 @@ class RowCache:
         rows: np.ndarray,
         key: tuple[int, int] | None = None,
         stepped: tuple[np.ndarray, dict[str, np.ndarray]] | None = None,
-        given: bool = False,
         whole: bool = False,
+        given: bool = False,
     ) -> None:
         """Keep the rows of a training batch that are not cached, with their optimizer state
         read from the table now (a copy, current at this tick), for its optimizer step, so the
@@ -271,25 +271,24 @@ class RowCache:
         With ``key`` (the generation and the step the batch's rows are final after), the
         batch's whole working copy is prepared instead, every row and its state: ``stepped``
         holds the mask of the ids that step changed and their new state. ``rows`` need hold
-        only the rows the cache lacks and those the step changed; ``given``: ``rows`` holds
-        every row and the caller hands it over, so the copy is ``rows`` itself (an owner process
-        whose hand-off read the batch ahead); ``whole``: ``rows`` holds every row, final, and the
-        copy is a copy of it (the owner's thread: one copy, not a gather of the cached rows and
-        two overlays). Not for the :data:`PREPARE_RETRY` steps after a step that could not take
-        its copy.
+        only the rows the cache lacks and those the step changed, unless ``whole``: it holds
+        every row, final, and the copy is a copy of it (one copy, not a gather of the cached rows
+        and two overlays), or, ``given`` too, ``rows`` itself, which the caller hands over (an
+        owner process whose hand-off read the batch ahead). Not for the :data:`PREPARE_RETRY`
+        steps after a step that could not take its copy.
         """
         slots = self.shared.slot_of[ids].astype(np.int64)
         self._load_state(slots[slots >= 0])
         missing = np.flatnonzero(slots < 0)
         if key is not None and not self._unprepared:
             # the cached rows from the cache (an owner process has only the others in ``rows``)
-            mine, state = self._cached(slots, rows=not (given or whole))
+            mine, state = self._cached(slots, rows=not whole)
             kept = rows[missing]  # a copy: kept, as the uncached rows before the step
             kept_state = {
                 name: self._fetch(ids[missing], name) if len(missing) else array[missing]
                 for name, array in state.items()
             }
-            if given or whole:
+            if whole:
                 mine = rows if given else rows.copy()
             else:
                 mine[missing] = kept

@@ -223,9 +223,10 @@ class Owner:
             if self.trains_now:  # its step reads them not again (NOTE in cache/copies.py)
                 key = (self.generation, step) if self.takes_computed_rows else None
                 new = {} if where is None else {k: v[where] for k, v in computed.state.items()}
-                given = ahead is not None and owned is None and deliver is not None
-                whole = deliver is None and owned is None  # (an owner process's has only some)
-                self.cache.stage(mine, my_rows, key, (changed, new), given, whole)
+                # every row: in this process, or read ahead (an owner process's has only some)
+                whole = owned is None and (deliver is None or ahead is not None)
+                given = whole and deliver is not None  # the owner process's, handed over
+                self.cache.stage(mine, my_rows, key, (changed, new), whole, given)
                 if self.looks_ahead:
                     self.cache.policy.hold(ids)
         self.counts["batches"] += 1
