@@ -117,8 +117,10 @@ class Lookup:
             lo, hi = self.owned
             missed = unique_ids[miss]
             miss = miss[(missed >= lo) & (missed < hi)]
-        if len(miss) and not defer:
-            rows[miss] = self.table()._array(WEIGHT).read(unique_ids[miss])  # the files as they are
+        left = miss if defer else left_to_owner(self.cache, unique_ids, miss)
+        read = miss if left is None else np.setdiff1d(miss, left, assume_unique=True)
+        if len(read):
+            rows[read] = self.table()._array(WEIGHT).read(unique_ids[read])  # the files as they are
         info = get_worker_info()
         placed = (
             self.ring.write(info.id, rows) if self.ring is not None and info is not None else None
@@ -133,7 +135,7 @@ class Lookup:
             lookup_step=lookup_step,
             hits=int(hit.sum()),
             misses=len(miss),
-            deferred=miss if defer else None,
+            deferred=left,
         )
         return EmbeddedBatch._looked_up(item, self.key, self.ids_key, version)
 
@@ -156,6 +158,19 @@ class Lookup:
         where = f"by worker {info.id}" if info is not None else "in the training process"
         names = (f"{n} of a batch collated {where}" for n in range(len(batch)))  # if needed
         check_samples(batch, names, self.ids_key, self.num_rows)
+
+
+def left_to_owner(cache: SharedRows, ids: np.ndarray, miss: np.ndarray) -> np.ndarray | None:
+    """The misses (positions ``miss`` in ``ids``) whose rows are cached: a write of the owner's
+    overlapped their copy (a step's rows put back, most often; NOTE [ Seqlock reads of the shared
+    cache ]). The owner has them as the hand-off needs them, so the lookup leaves them to it
+    (``LookedUp.deferred``) and reads only the uncached ones from disk. Measured with the whole
+    table cached, 2 workers, training: 46-73 rows a batch were read from the table and then read
+    again at the hand-off, being newer than the lookup."""
+    if not len(miss):
+        return None
+    cached = miss[cache.slot_of[ids[miss]] >= 0]
+    return cached if len(cached) else None
 
 
 class CheckedDataset(Dataset):

@@ -66,6 +66,52 @@ def test_exact_mode_never_serves_a_stale_row(tmp_path, num_workers, cache_rows):
     )
 
 
+@pytest.mark.parametrize("owner", ["thread", "process"])
+@pytest.mark.parametrize("cache_rows", [V, 24])
+def test_a_cached_row_whose_copy_a_write_overlapped_comes_from_the_owner_not_the_table(
+    tmp_path, monkeypatch, owner, cache_rows
+):
+    # A worker's copy of a cached row that an owner's write overlaps (a step putting its rows
+    # back) reads as a miss. The owner has the row: the worker leaves it to the hand-off. Here
+    # every even id's copy reads as overlapped (the forked workers inherit the patch), where no
+    # write ran: the table's copy of such a dirty row is older, so a batch that sees every step
+    # had its rows from the owner, and once every row is cached the table is read no more.
+    from embedpipe.cache.sharedrows import SharedRows
+
+    read = SharedRows.read
+
+    def overlapped(self, ids):
+        rows, hit = read(self, ids)
+        return rows, hit & (ids % 2 == 1)
+
+    monkeypatch.setattr(SharedRows, "read", overlapped)
+    embedpipe.Table.create(tmp_path / "t.zarr", V, D, init="zeros", chunk_rows=8).close()
+    data = [{"input_ids": torch.randperm(V)[:20]} for _ in range(BATCHES)]
+    with EmbeddingPipe(
+        tmp_path / "t.zarr",
+        cache_rows=cache_rows,
+        policy="lfu",
+        optimizer=embedpipe.optim.SGD(lr=1.0),
+        owner=owner,
+    ) as pipe:
+        counts, reads = np.zeros(V), []
+        for batch in pipe.loader(data, batch_size=1, num_workers=2):
+            ids, embeds = batch["input_ids"][0], batch["inputs_embeds"][0]
+            assert torch.equal(
+                embeds.detach(), torch.from_numpy(counts[ids]).float()[:, None].expand(-1, D)
+            )
+            counts[ids.numpy()] += 1
+            (-embeds).sum().backward()
+            pipe.step()
+            reads.append(pipe.stats()["rows_read"])
+    assert torch.equal(
+        embedpipe.Table.open(tmp_path / "t.zarr").to_tensor()[:, 0],
+        torch.from_numpy(counts).float(),
+    )
+    if cache_rows == V:
+        assert reads[-1] == reads[BATCHES // 2]
+
+
 @pytest.mark.parametrize(
     ("max_staleness", "num_workers", "cache_rows"),
     [(1, 0, V), slow(3, 0, V), slow(1, 2, 10), (3, 2, 10)],
