@@ -208,13 +208,16 @@ class PipeLoader(DataLoader):
         is inside its ``try``, so the window is freed however the epoch ends, even unstarted
         (unless a later epoch of the loader has begun: its window is not this one's)."""
         order = getattr(iterator, "_sampler_iter", None)  # this epoch's (a Foresight's Ahead)
+        # looked at now: a generator left unfinished at exit may close after this module's names
+        # are gone (the interpreter clears them), which ``isinstance(..., Foresight)`` would need
+        sight = self.batch_sampler if isinstance(self.batch_sampler, Foresight) else None
         try:
             yield None
             for batch in self._batches(iterator):
                 yield batch._claim()
         finally:
-            if isinstance(self.batch_sampler, Foresight):
-                self.batch_sampler.stop(order)  # an epoch left early: the window is free again
+            if sight is not None:
+                sight.stop(order)  # an epoch left early: the window is free again
 
     def _get_iterator(self) -> Any:
         """Torch's iterator, whose workers start their watch of the training process first
