@@ -60,8 +60,8 @@ class EmbeddingPipe:
         again per optimizer state array (owner only), 12 bytes per table row (8 with LRU), and
         the workers' ring (see ``loader``).
     policy:
-        ``"lru"``, ``"lfu"``, ``"lookahead"`` or ``"auto"`` (the best measured policy: lookahead,
-        see ``embedpipe.cache.policy``; ``auto`` falls back to LFU when its foresight keeps missing).
+        ``"lru"``, ``"lfu"``, ``"lookahead"`` or ``"auto"``: lookahead (``embedpipe.cache.policy``),
+        LFU if its foresight keeps missing, or for a frozen table in half the memory available.
     lookahead:
         Batches the lookahead policy sees ahead (default 64): a loader over a map-style dataset
         reads the ids of its next batches in a child forked at each epoch's first batch, from
@@ -94,8 +94,8 @@ class EmbeddingPipe:
         process of its own that the pipe starts and stops at ``close()``, so the training
         process keeps only the claim, ``inputs_embeds`` and the gradient (``docs/service.md``);
         ``"auto"`` (default): a process when the cache holds less than the whole table, a
-        thread when it holds all of it or the pipe is frozen with no cache (what measured
-        faster beside a model, ``docs/service.md``), a thread under a process group. Under a
+        thread when it holds all of it or the pipe is frozen with no cache or no lookahead (what
+        measured faster beside a model, ``docs/service.md``), a thread under a process group. Under a
         process group, ``"process"`` is one owner
         process a machine, shared by the machine's ranks and the owner of the machine's
         shard of the rows (then ``cache_rows`` is per machine). Or the address
@@ -172,8 +172,11 @@ class EmbeddingPipe:
                 padding_idx = table.metadata.get("padding_idx")
             if padding_idx is not None and not 0 <= padding_idx < table.num_rows:
                 raise ValueError(f"padding_idx must be in [0, {table.num_rows}), got {padding_idx}")
+            nbytes = table.num_rows * table.dim * table.dtype.itemsize
+            if policy == "auto" and optimizer is None and budget.stays_in_page_cache(nbytes):
+                lookahead = 0  # LFU (NOTE [ A frozen table that fits in memory ] in budget.py)
             if owner == "auto":
-                owner = _default_owner(table.num_rows, cache_rows, optimizer)
+                owner = _default_owner(table.num_rows, cache_rows, optimizer, lookahead)
             remote = owner != "thread"
             if optimizer is not None and (shards is None or shared):
                 table._claim(_describe_creator(), elsewhere=remote)
@@ -423,16 +426,18 @@ def _describe_creator() -> str:
     return f"an EmbeddingPipe made at {where} (pid {os.getpid()})"
 
 
-def _default_owner(num_rows: int, cache_rows: int, optimizer: Any) -> str:
+def _default_owner(num_rows: int, cache_rows: int, optimizer: Any, lookahead: int) -> str:
     """``owner="auto"`` of a pipe outside a process group (NOTE [ The default owner ])."""
-    has_work = cache_rows > 0 or optimizer is not None  # (a lazy frozen pipe only reads)
+    # a frozen pipe only reads, and admits its misses unless it is lazy or does not look ahead
+    has_work = optimizer is not None or (cache_rows > 0 and lookahead > 0)
     return "process" if has_work and cache_rows < num_rows else "thread"
 
 
 # NOTE [ The default owner ]
 # ms a batch beside a simulated accelerator step (T ms with the GIL released, 2 workers, D = 768,
 # Adagrad: docs/service.md), owner thread / process: 5% cache, T = 10: 42.8 / 31.0; T = 20:
-# 48-61 / 39-45; 0 workers: 41-42 / 32; frozen at 10%: 25 / 18-20; the whole table cached,
+# 48-61 / 39-45; 0 workers: 41-42 / 32; frozen at 10%: 25 / 18-20 (looking ahead; 15.0 / 17-17.6
+# with LFU, T = 10, 2026-12-07); the whole table cached,
 # T = 10: 19-19.6 / 20.4-22; T = 20: 29-32 / 32-34. With a cache smaller than the table, the
 # owner's work (misses, admission, evictions and their writes, the step) takes the training
 # process's GIL from the model; in a process it runs beside it. With the whole table cached it

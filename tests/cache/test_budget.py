@@ -20,6 +20,7 @@ from embedpipe.cache.budget import (
     largest_cache,
     parse_bytes,
     pipe_memory,
+    stays_in_page_cache,
     warn_if_too_big,
 )
 from embedpipe.cache.policy import POLICIES, make_policy
@@ -91,6 +92,16 @@ def test_parse_and_format_bytes():
         with pytest.raises(ValueError, match="memory size"):
             parse_bytes(bad)
     assert format_bytes(3 * 2**29) == "1.5 GiB" and format_bytes(16) == "16 B"
+
+
+def test_a_table_stays_in_the_page_cache_where_it_takes_at_most_half_the_memory_left(
+    monkeypatch,
+):
+    # (the real function: conftest's fixture replaces the module's, not this name)
+    monkeypatch.setattr(budget, "available_memory", lambda: 1000)
+    assert stays_in_page_cache(500) and not stays_in_page_cache(501)
+    monkeypatch.setattr(budget, "available_memory", lambda: None)
+    assert not stays_in_page_cache(1)  # not known: as for a table larger than memory
 
 
 def test_available_memory_is_at_most_what_the_kernel_says():

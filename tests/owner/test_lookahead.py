@@ -328,7 +328,9 @@ def test_a_cold_disk_hands_the_misses_back_to_the_workers_at_once(tmp_path):
         again = pipe.stats()
     first = handed_back.index(True)  # once the child foresaw a batch and the reader read it
     assert all(handed_back[first:]) and 0 < stats["deferred"] < stats["misses"] / 2, stats
-    assert again["deferred"] == stats["deferred"] and again["misses"] > 2 * stats["misses"] - 500
+    # (a cached row whose copy an admission overlapped is still left to the owner, which has it)
+    overlapped = again["deferred"] - stats["deferred"]
+    assert overlapped <= 0.01 * stats["misses"] and again["misses"] > 2 * stats["misses"] - 500
 
 
 def test_reads_that_cannot_tell_the_page_cache_never_make_a_disk_cold(tmp_path, monkeypatch):

@@ -195,3 +195,35 @@ def test_a_filling_cache_warns_from_an_owner_process_too(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1", "MemoryBudgetWarning"]
+
+
+@pytest.mark.parametrize("optimizer", [None, embedpipe.optim.SGD(lr=0.1)])
+@pytest.mark.parametrize("fits", [True, False])
+def test_a_frozen_auto_pipe_whose_table_fits_in_memory_is_lfu_in_a_thread(
+    tmp_path, monkeypatch, fits, optimizer
+):
+    # NOTE [ A frozen table that fits in memory ]: its misses come from the page cache, where
+    # looking ahead costs more than the reads it saves. A training pipe looks ahead regardless.
+    from embedpipe.cache import budget
+    from embedpipe.service.client import RemoteOwner
+
+    monkeypatch.setattr(budget, "stays_in_page_cache", lambda nbytes: fits)
+    embedpipe.Table.create(tmp_path / "t.zarr", 200, 4).close()
+    rng = np.random.default_rng(0)
+    ids = np.minimum(rng.zipf(1.2, size=(40, 16)), 200) - 1
+    data = [{"input_ids": torch.from_numpy(row)} for row in ids]
+    read = {}
+    for policy in ("auto", "lfu"):
+        pipe = EmbeddingPipe(tmp_path / "t.zarr", cache_rows=20, policy=policy, optimizer=optimizer)
+        with pipe:
+            if policy == "auto":
+                looks_ahead = optimizer is not None or not fits
+                assert pipe._owner.looks_ahead == looks_ahead
+                assert isinstance(pipe._owner, RemoteOwner) == looks_ahead  # else a thread
+            for batch in pipe.loader(data, batch_size=4):
+                if optimizer is not None:
+                    batch["inputs_embeds"].sum().backward()
+                    pipe.step()
+            read[policy] = pipe.stats()["rows_read"]
+    if optimizer is None and fits:
+        assert read["auto"] == read["lfu"]
