@@ -49,7 +49,9 @@ def slow_start(worker_id: int) -> None:
 
 def starting(path: str) -> None:
     os.environ["ORPHAN_RUN_TABLE"] = path  # the spawned workers inherit it
-    with embedpipe.EmbeddingPipe(path, cache_rows=50) as pipe:
+    # looking ahead, so an owner process and a foresight child (auto is LFU in a thread where
+    # the table fits in memory: NOTE [ A frozen table that fits in memory ])
+    with embedpipe.EmbeddingPipe(path, cache_rows=50, policy="lookahead") as pipe:
         loader = pipe.loader(
             Heavy(4),  # one batch: worker 1 never gets work, so never looks anything up
             batch_size=4,

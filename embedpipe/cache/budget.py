@@ -155,23 +155,9 @@ def available_memory() -> int | None:
 def stays_in_page_cache(table_bytes: int) -> bool:
     """Whether a table of ``table_bytes`` takes at most half the memory this process may still
     use, so that its rows, once read, are read from the page cache, not the disk (NOTE [ A
-    frozen table that fits in memory ]). False where that memory is not known."""
+    frozen table that fits in memory ] in ``pipe/defaults.py``). False where that is not known."""
     room = available_memory()
     return room is not None and table_bytes <= room // 2
-
-
-# NOTE [ A frozen table that fits in memory ]
-# The lookahead policy trades CPU for rows read: a forked child reads every sample a second time
-# to foresee the batches' ids, one thread reads the misses of the batches in flight, and each
-# batch dispatched, claimed and foreseen rescores its rows. Where a miss is read from the disk,
-# that pays (rows read at Belady's optimum, up to 1.5x fewer than LFU). Where the table stays in
-# the page cache, a miss is a copy of 1 KiB, and a frozen pipe has nothing else to do per batch:
-# measured (D = 256, 10% cache, 2 workers, the table in the page cache), LFU ran 1.5-1.7x the
-# batches a second of lookahead, with 28% more rows read (page-cache copies); 1.2x with no
-# workers; 1.15-1.45x beside a 5 ms model step. A training pipe is not changed: its owner process
-# hides the lookahead's work, and fewer misses are fewer rows written back. So a frozen pipe's
-# ``policy="auto"`` is LFU when the table takes at most half the memory available when the pipe
-# is made, and looks ahead otherwise (a table larger than memory: the small-device case).
 
 
 def _meminfo_available(path: str = "/proc/meminfo") -> int | None:

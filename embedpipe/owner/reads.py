@@ -98,6 +98,7 @@ def read_rows(
     if rows is None:
         if item.lookup_step >= 0:
             counts["ring_overruns"] += 1
+            counts["deferred"] += 0 if item.deferred is None else len(item.deferred)  # none read by the worker
         else:  # the owner does the lookup: count it here, its misses as the owner's
             hits = int((owner.shared.slot_of[ids] >= 0).sum())
             misses = len(ids) - hits

@@ -34,6 +34,7 @@ from ..service.rank import RankOwner, open_shared
 from ..store.checkpoints import Checkpoint
 from ..store.layout import check_compatible, refuse_another_optimizer, remembered_steps
 from ..store.table import Table
+from . import defaults
 from .derived import watch
 from .placeholder import OffloadedEmbedding, finish_embeds, ignore_in_ddp, offloaded_embeddings
 from .rowscale import recorded_in_model, recorded_scale
@@ -61,13 +62,14 @@ class EmbeddingPipe:
         the workers' ring (see ``loader``).
     policy:
         ``"lru"``, ``"lfu"``, ``"lookahead"`` or ``"auto"``: lookahead (``embedpipe.cache.policy``),
-        LFU if its foresight keeps missing, or for a frozen table in half the memory available.
+        LFU if its foresight keeps missing, or for a frozen, local, uncompressed table in half the
+        memory available (its misses come from the page cache: ``pipe/defaults.py``).
     lookahead:
         Batches the lookahead policy sees ahead (default 64): a loader over a map-style dataset
         reads the ids of its next batches in a child forked at each epoch's first batch, from
         copies of the sampler and the dataset (each sample fetched twice, once there; nothing
         the program draws or sees changes: ``embedpipe/foresee.py``). 0 turns it off (the
-        policy is then LFU).
+        policy is then LFU), as ``"auto"`` does for a frozen table in memory (see ``policy``).
     optimizer:
         ``embedpipe.optim.SGD``, ``Adagrad`` or ``Adam``; ``None`` keeps the table frozen.
     consistency, max_staleness:
@@ -94,7 +96,7 @@ class EmbeddingPipe:
         process of its own that the pipe starts and stops at ``close()``, so the training
         process keeps only the claim, ``inputs_embeds`` and the gradient (``docs/service.md``);
         ``"auto"`` (default): a process when the cache holds less than the whole table, a
-        thread when it holds all of it or the pipe is frozen with no cache or no lookahead (what
+        thread when it holds all of it or the pipe is frozen and does not look ahead (what
         measured faster beside a model, ``docs/service.md``), a thread under a process group. Under a
         process group, ``"process"`` is one owner
         process a machine, shared by the machine's ranks and the owner of the machine's
@@ -172,11 +174,9 @@ class EmbeddingPipe:
                 padding_idx = table.metadata.get("padding_idx")
             if padding_idx is not None and not 0 <= padding_idx < table.num_rows:
                 raise ValueError(f"padding_idx must be in [0, {table.num_rows}), got {padding_idx}")
-            nbytes = table.num_rows * table.dim * table.dtype.itemsize
-            if policy == "auto" and optimizer is None and budget.stays_in_page_cache(nbytes):
-                lookahead = 0  # LFU (NOTE [ A frozen table that fits in memory ] in budget.py)
+            lookahead = defaults.window(table, policy, optimizer, lookahead)
             if owner == "auto":
-                owner = _default_owner(table.num_rows, cache_rows, optimizer, lookahead)
+                owner = defaults.owner(table.num_rows, cache_rows, optimizer, policy, lookahead)
             remote = owner != "thread"
             if optimizer is not None and (shards is None or shared):
                 table._claim(_describe_creator(), elsewhere=remote)
@@ -424,26 +424,6 @@ def _describe_creator() -> str:
         frame = frame.f_back
     where = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
     return f"an EmbeddingPipe made at {where} (pid {os.getpid()})"
-
-
-def _default_owner(num_rows: int, cache_rows: int, optimizer: Any, lookahead: int) -> str:
-    """``owner="auto"`` of a pipe outside a process group (NOTE [ The default owner ])."""
-    # a frozen pipe only reads, and admits its misses unless it is lazy or does not look ahead
-    has_work = optimizer is not None or (cache_rows > 0 and lookahead > 0)
-    return "process" if has_work and cache_rows < num_rows else "thread"
-
-
-# NOTE [ The default owner ]
-# ms a batch beside a simulated accelerator step (T ms with the GIL released, 2 workers, D = 768,
-# Adagrad: docs/service.md), owner thread / process: 5% cache, T = 10: 42.8 / 31.0; T = 20:
-# 48-61 / 39-45; 0 workers: 41-42 / 32; frozen at 10%: 25 / 18-20 (looking ahead; 15.0 / 17-17.6
-# with LFU, T = 10, 2026-12-07); the whole table cached,
-# T = 10: 19-19.6 / 20.4-22; T = 20: 29-32 / 32-34. With a cache smaller than the table, the
-# owner's work (misses, admission, evictions and their writes, the step) takes the training
-# process's GIL from the model; in a process it runs beside it. With the whole table cached it
-# has little to do, and the round trips to a process cost more. Under a process group "auto"
-# is a thread: each rank owns a shard (docs/scale-out.md). An owner process takes ~1.3 s to
-# start the first time (an interpreter imports torch), 20-50 ms after (``service/zygote.py``).
 
 
 def _check_one_process() -> None:

@@ -227,3 +227,19 @@ def test_a_frozen_auto_pipe_whose_table_fits_in_memory_is_lfu_in_a_thread(
             read[policy] = pipe.stats()["rows_read"]
     if optimizer is None and fits:
         assert read["auto"] == read["lfu"]
+
+
+def test_a_frozen_pipe_not_looking_ahead_owns_in_a_thread_and_a_compressed_table_looks_ahead(
+    tmp_path, monkeypatch
+):
+    # a compressed chunk is decoded whole at each read: its misses are no page-cache copies
+    from embedpipe.cache import budget
+    from embedpipe.service.client import RemoteOwner
+
+    monkeypatch.setattr(budget, "stays_in_page_cache", lambda nbytes: True)
+    embedpipe.Table.create(tmp_path / "raw.zarr", 200, 4).close()
+    embedpipe.Table.create(tmp_path / "zstd.zarr", 200, 4, compressor="zstd").close()
+    with EmbeddingPipe(tmp_path / "raw.zarr", cache_rows=20, policy="lfu") as pipe:
+        assert not isinstance(pipe._owner, RemoteOwner)
+    with EmbeddingPipe(tmp_path / "zstd.zarr", cache_rows=20) as pipe:
+        assert pipe._owner.looks_ahead and isinstance(pipe._owner, RemoteOwner)

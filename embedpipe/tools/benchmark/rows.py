@@ -8,7 +8,7 @@ iterated over the first ``--check-batches`` batches of the Zipf trace checks the
 "lru" and "lookahead" through its ``stats()["rows_read"]``: ``policy="auto"`` where a miss is
 read from the disk (a training pipe, or a frozen table larger than half the memory); a frozen
 pipe whose table fits in memory runs ``auto`` as LFU (NOTE [ A frozen table that fits in
-memory ] in ``cache/budget.py``), and the benchmark's table fits.
+memory ] in ``pipe/defaults.py``), and the benchmark's table fits.
 
 Targets (issue 9): the default policy (``auto``) reads <= 1.05x the optimum at every size, on both
 traces.
