@@ -81,6 +81,6 @@ def bert_folder(tmp_path):
 def frozen_auto_looks_ahead(monkeypatch):
     """A frozen pipe's ``policy="auto"`` looks ahead in every test, whatever memory this machine
     has free: it is LFU where the table fits in half of it (NOTE [ A frozen table that fits in
-    memory ] in ``cache/budget.py``), which would make a test's policy the machine's. The tests
+    memory ] in ``pipe/defaults.py``), which would make a test's policy the machine's. The tests
     of that choice set it themselves."""
     monkeypatch.setattr(embedpipe.cache.budget, "stays_in_page_cache", lambda nbytes: False)

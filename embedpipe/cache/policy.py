@@ -44,7 +44,8 @@ partition of every slot, 1.3 ms with a pool deduplicated by ``np.unique``, 0.6 m
 NOTE [ The lookahead window ]. Without a window (an iterable dataset) it is LFU.
 - ``"auto"`` is lookahead: it read as many rows as Belady's optimum (within 2%) at every cache
   size measured, where LFU read up to 1.5x (docs/benchmarks.md). A frozen pipe whose table fits
-  in memory makes it LFU (no window: NOTE [ A frozen table that fits in memory ] in pipe/defaults.py).
+  in memory makes it LFU (no window: NOTE [ A frozen table that fits in memory ] in
+  pipe/defaults.py).
 
 NOTE [ The lookahead window ]
 The window is the next ``window`` batches, in the order they will be looked up (``foresee``

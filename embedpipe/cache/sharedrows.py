@@ -9,10 +9,11 @@ Only the owner changes a slot, and it does so between two increments of the slot
              the copy is good iff v1 == v2 and v1 is even and the slot still holds id
 
 A worker never waits: a copy that fails the check is a miss. Where the id is still cached (a write
-overlapped the copy), the owner's hand-off reads it (``lookup.left_to_owner``); else the row is
-read from the table. That read is never older than the cache was when the lookup began, because a dirty row is written
-to the table before its slot is released (``RowCache._evict``), and an update that lands after the
-lookup began is caught at hand-off by ``last_updated[id] > lookup_step`` (invariant 4).
+overlapped the copy), the owner's hand-off reads it (``lookup.split_misses``); else the row is
+read from the table. That read is never older than the cache was when the lookup began, because a
+dirty row is written to the table before its slot is released (``RowCache._evict``), and an
+update that lands after the lookup began is caught at hand-off by ``last_updated[id] >
+lookup_step`` (invariant 4).
 Each arrow above is separated by :func:`~embedpipe.cache.ordering.fence` where the CPU could reorder
 it (``ordering.py``).
 

@@ -98,7 +98,8 @@ def read_rows(
     if rows is None:
         if item.lookup_step >= 0:
             counts["ring_overruns"] += 1
-            counts["deferred"] += 0 if item.deferred is None else len(item.deferred)  # none read by the worker
+            # the rows its worker left to the owner: read here (by current()), not by the worker
+            counts["deferred"] += 0 if item.deferred is None else len(item.deferred)
         else:  # the owner does the lookup: count it here, its misses as the owner's
             hits = int((owner.shared.slot_of[ids] >= 0).sum())
             misses = len(ids) - hits

@@ -97,8 +97,8 @@ class EmbeddingPipe:
         process keeps only the claim, ``inputs_embeds`` and the gradient (``docs/service.md``);
         ``"auto"`` (default): a process when the cache holds less than the whole table, a
         thread when it holds all of it or the pipe is frozen and does not look ahead (what
-        measured faster beside a model, ``docs/service.md``), a thread under a process group. Under a
-        process group, ``"process"`` is one owner
+        measured faster beside a model, ``docs/service.md``), a thread under a process group.
+        Under a process group, ``"process"`` is one owner
         process a machine, shared by the machine's ranks and the owner of the machine's
         shard of the rows (then ``cache_rows`` is per machine). Or the address
         of a table service that outlives the job, ``"unix:PATH"`` (``embedpipe serve TABLE``):

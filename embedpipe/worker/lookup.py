@@ -117,8 +117,7 @@ class Lookup:
             lo, hi = self.owned
             missed = unique_ids[miss]
             miss = miss[(missed >= lo) & (missed < hi)]
-        left = miss if defer else left_to_owner(self.cache, unique_ids, miss)
-        read = miss if left is None else np.setdiff1d(miss, left, assume_unique=True)
+        read, left = split_misses(self.cache, unique_ids, miss, defer)
         if len(read):
             rows[read] = self.table()._array(WEIGHT).read(unique_ids[read])  # the files as they are
         info = get_worker_info()
@@ -160,17 +159,20 @@ class Lookup:
         check_samples(batch, names, self.ids_key, self.num_rows)
 
 
-def left_to_owner(cache: SharedRows, ids: np.ndarray, miss: np.ndarray) -> np.ndarray | None:
-    """The misses (positions ``miss`` in ``ids``) whose rows are cached: a write of the owner's
-    overlapped their copy (a step's rows put back, most often; NOTE [ Seqlock reads of the shared
-    cache ]). The owner has them as the hand-off needs them, so the lookup leaves them to it
-    (``LookedUp.deferred``) and reads only the uncached ones from disk. Measured with the whole
-    table cached, 2 workers, training: 46-73 rows a batch were read from the table and then read
-    again at the hand-off, being newer than the lookup."""
-    if not len(miss):
-        return None
-    cached = miss[cache.slot_of[ids[miss]] >= 0]
-    return cached if len(cached) else None
+def split_misses(
+    cache: SharedRows, ids: np.ndarray, miss: np.ndarray, defer: bool
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The misses (positions ``miss`` in ``ids``) the lookup reads from disk, and those it leaves
+    to the owner (``LookedUp.deferred``; None: none): all of them while the owner reads the
+    misses (``defer``), else the ones still cached, whose copy a write of the owner's overlapped
+    (a step's rows put back, most often; NOTE [ Seqlock reads of the shared cache ]): the owner
+    has them as the hand-off needs them. Measured with the whole table cached, 2 workers,
+    training: 46-73 rows a batch were read from the table, then again at the hand-off, being
+    newer than the lookup."""
+    if defer:
+        return miss[:0], miss
+    cached = cache.slot_of[ids[miss]] >= 0
+    return miss[~cached], miss[cached] if cached.any() else None
 
 
 class CheckedDataset(Dataset):

@@ -7,8 +7,8 @@ batches of uniform random ids, 2% cache, with ``policy="lookahead"`` (which keep
 however wrong it is) and the default ``auto`` (which stops; here, a frozen pipe over a table
 that fits in memory, LFU from the start: NOTE [ A frozen table that fits in memory ] in
 ``pipe/defaults.py``), against ``lfu`` (no foresight), in the same run. Reported: the median
-hand-off of the first and of the last tenth of the epoch, and their ratio (flat: about 1.0x); before this section's fix, ``lookahead`` went 9.4 -> 65.5 ms a
-batch over 4,000 batches.
+hand-off of the first and of the last tenth of the epoch, and their ratio (flat: about 1.0x);
+before this section's fix, ``lookahead`` went 9.4 -> 65.5 ms a batch over 4,000 batches.
 """
 
 from __future__ import annotations

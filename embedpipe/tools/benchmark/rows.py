@@ -222,9 +222,10 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
                 f"\nA real EmbeddingPipe at {ch['frac']:.0%} ({ch['cache_rows']:,} rows, "
                 f"num_workers=0, first {ch['batches']} batches): `stats()['rows_read']` vs the "
                 f"simulation: {both} ({'agree' if agree else DISAGREE}). With {args.workers} "
-                f"workers, lookahead read {w['pipe']:,} rows, {w['pipe'] / max(1, w['belady']):.2f}x "
-                f"Belady's {w['belady']:,} (the batches in flight share what the owner reads "
-                "for them; their buffers are memory beyond the cache, as the ring is).\n"
+                f"workers, lookahead read {w['pipe']:,} rows, "
+                f"{w['pipe'] / max(1, w['belady']):.2f}x Belady's {w['belady']:,} (the batches in "
+                "flight share what the owner reads for them; their buffers are memory beyond the "
+                "cache, as the ring is).\n"
             )
     return "\n".join(parts)
 
