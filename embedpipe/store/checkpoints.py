@@ -46,6 +46,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .mapped import changing_files
+
 CHECKPOINTS = "checkpoints"
 METADATA = "zarr.json"
 #: The folders of a table that hold its arrays (and are what a checkpoint links).
@@ -278,7 +280,8 @@ def commit(root: str, metadata: dict[str, Any], step: int, keep: int) -> Checkpo
             os.path.join(tmp, METADATA),
             group_metadata({"embedpipe": {**metadata, "step": step, "checkpoint": stamp}}),
         )
-        _place(files, root, tmp)
+        with changing_files():  # the live files get a second name (NOTE in mapped.py)
+            _place(files, root, tmp)
         _fsync_tree(tmp)
         final = os.path.join(folder, f"{seq:06d}-step-{step}")
         os.rename(tmp, final)
@@ -400,6 +403,11 @@ def restore(root: str, source: str, only: Callable[[str], bool] | None = None) -
     or another one); returns how many files changed. Files are hard-linked (copied across
     filesystems); the live metadata becomes the source's, less its checkpoint stamp.
     ``only``: the files to take back (relative paths), as ``recover``'s."""
+    with changing_files():  # the live files replaced (NOTE in mapped.py)
+        return _restore(root, source, only)
+
+
+def _restore(root: str, source: str, only: Callable[[str], bool] | None) -> int:
     for path in _debris(root):
         if only is None or only(os.path.relpath(path, root)):
             unlink(path)

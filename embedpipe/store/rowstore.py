@@ -69,7 +69,7 @@ from zarr.storage import LocalStore
 
 from ..errors import CorruptTableError
 from .checkpoints import copy_sparse, unlink, write_all
-from .mapped import MappedChunks
+from .mapped import MappedChunks, changing_files
 
 #: How many chunk files one reader keeps open (see the NOTE): well inside the process's limit on
 #: open files.
@@ -390,7 +390,8 @@ class RawRows(ZarrRows):
             try:
                 self._write_rows(fd, view, pos, (ids[pos] - chunk * self.chunk_rows) * rb)
                 if copy is not None:
-                    os.replace(copy, path)
+                    with changing_files():
+                        os.replace(copy, path)
             except BaseException:
                 if copy is not None:
                     unlink(copy)
@@ -456,7 +457,8 @@ class RawRows(ZarrRows):
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
             f.truncate(self.chunk_rows * self.row_bytes)
-        os.replace(tmp, path)
+        with changing_files():
+            os.replace(tmp, path)
 
     def write_chunk(self, chunk: int, rows: np.ndarray) -> None:
         # zarr v3 stores an edge chunk at full size: pad the last chunk's file to chunk_rows.
@@ -474,7 +476,8 @@ class RawRows(ZarrRows):
         except BaseException:
             unlink(tmp)
             raise
-        os.replace(tmp, path)  # atomic: readers see the old chunk or the new one
+        with changing_files():
+            os.replace(tmp, path)  # atomic: readers see the old chunk or the new one
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

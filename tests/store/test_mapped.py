@@ -91,6 +91,37 @@ def test_a_checkpoint_never_changes_under_a_mapped_write(tmp_path, weight):
     np.testing.assert_array_equal(live, [[7.0] * D, [8.0] * D, [7.0] * D, [7.0] * D])
 
 
+def test_a_mapped_chunk_is_looked_at_once_until_this_process_changes_chunk_files(
+    tmp_path, weight, layout, monkeypatch
+):
+    """NOTE [ A chunk checked once until its files change ]: a chunk in the window is looked at
+    (a ``stat`` of its path) at its first write, not at every write and read after it; a
+    checkpoint's links make every chunk looked at again, so a write after it still copies the
+    shared file first. Mapped a chunk (no window), every write looks, as before."""
+    path = tmp_path / "t.zarr"
+    looked = []
+    stat = os.stat
+    with mapped_table(path, weight) as table:
+        for _ in range(2):  # copied, then mapped
+            table.write([1, 40], np.ones((2, D), dtype=np.float32))
+        monkeypatch.setattr(os, "stat", lambda p, *a, **k: looked.append(p) or stat(p, *a, **k))
+        table.write([2, 41], np.full((2, D), 2.0, dtype=np.float32))
+        np.testing.assert_array_equal(table.read([2, 41]), np.full((2, D), 2.0))
+        assert (looked == []) == (layout == "window"), looked
+        checkpoint = table.checkpoint()
+        looked.clear()
+        table.write([2, 41], np.full((2, D), 3.0, dtype=np.float32))  # shared: copied first
+        assert {chunk_file(path, 0), chunk_file(path, 1)} <= set(map(str, looked)), looked
+        for _ in range(2):  # the copies mapped, then written with no look
+            table.write([3], np.full((1, D), 4.0, dtype=np.float32))
+        live = table.read([2, 3, 41])
+    np.testing.assert_array_equal(
+        read_chunk(checkpoint.path, 0)[1:4], [[1.0] * D, [2.0] * D, weight[3]]
+    )
+    np.testing.assert_array_equal(read_chunk(checkpoint.path, 1)[8:10], [[1.0] * D, [2.0] * D])
+    np.testing.assert_array_equal(live, [[3.0] * D, [4.0] * D, [3.0] * D])
+
+
 def test_a_chunk_replaced_whole_is_mapped_again(tmp_path, weight):
     path = tmp_path / "t.zarr"
     with mapped_table(path, weight) as table:
