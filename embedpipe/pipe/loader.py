@@ -35,6 +35,7 @@ from ..worker.collate import PadCollator
 from ..worker.looked_up import LookedUp
 from ..worker.lookup import CheckedDataset, Lookup
 from ..worker.orphans import WatchParent, exit_reason
+from . import defaults
 
 if TYPE_CHECKING:
     from ..owner.owner import Owner
@@ -136,9 +137,11 @@ class PipeLoader(DataLoader):
             if ring is not None and owner.looks_ahead
             else None
         )
+        mapped = defaults.maps_reads(table, pipe.optimizer)  # NOTE in pipe/defaults.py
         lookup = Lookup(
-            collate_fn, ids_key, table, shared, ring, source, self._defer, owner.owned, streamed
-        )
+            collate_fn, ids_key, table, shared, ring, source, self._defer, owner.owned, streamed,
+            mapped,
+        )  # fmt: skip
         super().__init__(
             checked,
             batch_size=batch_size,

@@ -21,11 +21,12 @@ replace that finished before its read began. An open file that falls out of the 
 closed when the last read using it is done (another thread may still be reading it).
 
 Rows are read with ``preadv`` into the output, never mapped (but for the chunks the owner process
-has mapped to write, at most ``mapped.MAPPED_BYTES``), so a process that reads a table many
-times larger than memory does not grow by what it read: the pages stay in the OS page cache, not
-in the process (an earlier ``mmap`` reader had to drop its pages after each copy with
-``MADV_DONTNEED``; the kernel maps a whole large folio per fault, +1 GB RSS for 32 MiB of rows
-read otherwise). A batch is read in two passes, so that a cold disk sees the whole batch at once::
+has mapped to write, at most ``mapped.MAPPED_BYTES``, and a frozen pipe's checkpoint that fits in
+memory, ``mapped.py``), so a process that reads a table many times larger than memory does not
+grow by what it read: the pages stay in the OS page cache, not in the process (an earlier
+``mmap`` reader had to drop its pages after each copy with ``MADV_DONTNEED``; the kernel maps a
+whole large folio per fault, +1 GB RSS for 32 MiB of rows read otherwise). A batch is read in
+two passes, so that a cold disk sees the whole batch at once::
 
     pass 1, per row:  preadv(RWF_NOWAIT) -> in the page cache: copied, done
                                          -> not (EAGAIN): the kernel has started reading its
@@ -69,7 +70,7 @@ from zarr.storage import LocalStore
 
 from ..errors import CorruptTableError
 from .checkpoints import copy_sparse, unlink, write_all
-from .mapped import MappedChunks, changing_files
+from .mapped import MappedChunks, MappedReads, changing_files
 
 #: How many chunk files one reader keeps open (see the NOTE): well inside the process's limit on
 #: open files.
@@ -222,8 +223,9 @@ class RawRows(ZarrRows):
         self._nowait = bool(_NOWAIT)
         #: Rows that were not in the page cache when read (pass 2 of the NOTE), for benchmarks.
         self.rows_waited = 0
-        #: The chunk files mapped for writing, where the owner process writes (``map_writes``).
-        self.mapped: MappedChunks | None = None
+        #: The chunk files mapped for writing, where the owner process writes (``map_writes``),
+        #: or to read, a checkpoint's, where a frozen pipe's lookup reads (``map_reads``).
+        self.mapped: MappedChunks | MappedReads | None = None
 
     @property
     def tells_page_cache(self) -> bool:  # type: ignore[override]
@@ -232,20 +234,18 @@ class RawRows(ZarrRows):
         return self._nowait
 
     def map_writes(self, limit: int) -> None:
-        """Write rows through mappings of their chunk files, at most ``limit`` bytes mapped
-        (NOTE [ Mapped row writes ] in ``mapped.py``); 0: one ``pwrite`` per row."""
-        self.mapped = (
-            MappedChunks(
-                functools.partial(chunk_path, self.root),  # not self: no cycle keeps it mapped
-                self.chunk_rows,
-                self.dim,
-                self.dtype.newbyteorder("<"),
-                limit,
-                chunks=-(-self.num_rows // self.chunk_rows),
-            )
-            if limit
-            else None
-        )
+        """Write rows through mapped chunk files, at most ``limit`` bytes (0: ``pwrite`` a row)."""
+        self.mapped = MappedChunks(*self._chunk_files(), limit) if limit else None
+
+    def map_reads(self) -> None:
+        """Read rows through a read-only window (NOTE [ A checkpoint read through a window ])."""
+        self.mapped = MappedReads(*self._chunk_files())
+
+    def _chunk_files(self) -> tuple[Any, int, int, np.dtype, int]:
+        """What a mapping needs: the files' names, their rows, the dtype, how many there are."""
+        path_of = functools.partial(chunk_path, self.root)  # not self: no cycle keeps it mapped
+        chunks = -(-self.num_rows // self.chunk_rows)
+        return path_of, self.chunk_rows, self.dim, self.dtype.newbyteorder("<"), chunks
 
     @staticmethod
     def supports(array: zarr.Array) -> str | None:
@@ -320,7 +320,7 @@ class RawRows(ZarrRows):
         if len(ids) == 0:
             return out
         rest = np.arange(len(ids))  # the rows to read from the files
-        if self.mapped is not None:  # the rows in the owner process's window: one gather
+        if self.mapped is not None:  # rows in a window (the owner's, a checkpoint's): one gather
             done, rows = self.mapped.read(ids)
             if done.all():
                 return rows.view(self.dtype)
@@ -373,7 +373,7 @@ class RawRows(ZarrRows):
         chunk file shared with a checkpoint is copied first. Raises ``OSError`` on a full disk,
         after which some of the rows may be written and others not."""
         data = np.ascontiguousarray(rows, dtype=self.dtype.newbyteorder("<"))
-        if self.mapped is not None:  # in place, no system call
+        if isinstance(self.mapped, MappedChunks):  # in place, no system call
             left = ~self.mapped.write(ids, data)
             if not left.any():
                 return
@@ -482,16 +482,19 @@ class RawRows(ZarrRows):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_files"] = OrderedDict()  # file descriptors do not cross processes
-        state["mapped"] = None  # nor mappings: only the owner process maps
+        if isinstance(self.mapped, MappedChunks):
+            state["mapped"] = None  # nor mappings to write: only the owner process maps
         return state
 
 
-def row_access(array: zarr.Array, complete: bool = True, mapped_bytes: int = 0) -> ZarrRows:
+def row_access(
+    array: zarr.Array, complete: bool = True, mapped_bytes: int = 0, maps_reads: bool = False
+) -> ZarrRows:
     """The fastest row reader/writer that handles ``array``; ``mapped_bytes``: see
-    :meth:`RawRows.map_writes`."""
+    :meth:`RawRows.map_writes`; ``maps_reads``: :meth:`RawRows.map_reads`."""
     root = RawRows.supports(array)
     if root is None:
         return ZarrRows(array, complete=complete)
     rows = RawRows(array, root, complete=complete)
-    rows.map_writes(mapped_bytes)
+    rows.map_reads() if maps_reads else rows.map_writes(mapped_bytes)
     return rows

@@ -63,7 +63,7 @@ class Table:
     DataLoader workers get their own handle.
     """
 
-    _mapped_bytes = 0  # chunk file bytes an array keeps mapped to write rows (mapped.py)
+    _mapped_bytes, _maps_reads = 0, False  # chunk bytes mapped to write; reads mapped (mapped.py)
 
     def __init__(
         self,
@@ -474,8 +474,8 @@ class Table:
             if name != WEIGHT and name not in self.state_names and not known:
                 raise KeyError(f"no state array {name!r} in {self.path}; it has {self.state_names}")
             array = self._group[key].with_config({"write_empty_chunks": True})
-            complete = self._meta.get("format_version") != 1  # format 1: chunks may be missing
-            rows = self._rows[name] = row_access(array, complete, self._mapped_bytes)
+            whole = self._meta.get("format_version") != 1  # format 1: chunks may be missing
+            rows = self._rows[name] = row_access(array, whole, self._mapped_bytes, self._maps_reads)
         return rows
 
     def _store(self, ids: np.ndarray, rows: np.ndarray, name: str = WEIGHT) -> None:

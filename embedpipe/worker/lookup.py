@@ -25,6 +25,7 @@ from ..cache.shm import SharedBlock
 from ..errors import IdOutOfRangeError
 from ..ids import as_ids, unique_inverse
 from ..store.layout import WEIGHT
+from ..store.mapped import map_reads
 from ..store.table import Table
 from .batch import EmbeddedBatch, Source, register_source, version_of
 from .looked_up import LookedUp
@@ -51,6 +52,7 @@ class Lookup:
         defer: SharedBlock | None = None,
         owned: tuple[int, int] | None = None,
         streamed: bool = False,
+        maps_reads: bool = False,
     ) -> None:
         self.collate = collate
         #: The samples come from an iterable dataset, unwrapped: checked here, as they come
@@ -66,14 +68,15 @@ class Lookup:
         self.num_rows = table.num_rows
         self.cache = cache
         self.ring = ring
-        self._table: Table | None = table
         self._pid = os.getpid()
         self.trainer = os.getpid()  # the training process, which the workers watch
         # A forked worker reads through a handle opened here, in the parent: opening a zarr
         # group in a child forked from a process with threads at work (a process group's, the
         # writeback's) hung in zarr's I/O thread under torchrun. The handle reads raw chunk
         # files with pread, which processes sharing a file descriptor may do.
-        self._inherited: Table | None = Table._reader(table.path, table.root)
+        self.maps_reads = maps_reads  # a checkpoint read through windows (store/mapped.py)
+        self._inherited: Table | None = self._handle()
+        self._table: Table | None = self._inherited if maps_reads else table
         self.key = uuid.uuid4().hex  # names the source to the batches, in this process only
         self._source = source  # kept alive with the loader (the registry is weak)
         register_source(self.key, source)
@@ -83,9 +86,15 @@ class Lookup:
 
     def table(self) -> Table:
         if self._table is None or self._pid != os.getpid():  # a new process: its own handle
-            self._table = self._inherited or Table._reader(self.table_path, self.table_root)
+            self._table = self._inherited or self._handle()
             self._pid = os.getpid()
         return self._table
+
+    def _handle(self) -> Table:
+        handle = Table._reader(self.table_path, self.table_root)
+        if self.maps_reads:
+            map_reads(handle)  # where it reads a checkpoint, whose files never change
+        return handle
 
     def __call__(self, samples: list[Any]) -> EmbeddedBatch:
         if get_worker_info() is not None:

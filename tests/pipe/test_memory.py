@@ -243,3 +243,52 @@ def test_a_frozen_pipe_not_looking_ahead_owns_in_a_thread_and_a_compressed_table
         assert not isinstance(pipe._owner, RemoteOwner)
     with EmbeddingPipe(tmp_path / "zstd.zarr", cache_rows=20) as pipe:
         assert pipe._owner.looks_ahead and isinstance(pipe._owner, RemoteOwner)
+
+
+class RandomCrops(torch.utils.data.Dataset):
+    """Each sample a random crop of a random length: the randomness a real dataset has."""
+
+    def __init__(self, n: int, num_rows: int) -> None:
+        self.n, self.num_rows = n, num_rows
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        length = int(torch.randint(4, 24, ()))
+        ids = torch.minimum(torch.from_numpy(np.random.zipf(1.2, length)), torch.tensor(1000))
+        return {"input_ids": (ids - 1) % self.num_rows}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_frozen_pipe_whose_table_fits_reads_its_checkpoint_through_a_window(
+    tmp_path, monkeypatch, workers
+):
+    # NOTE [ A frozen table that fits in memory ]: its lookups map the checkpoint's chunk files
+    # read-only (store/mapped.py); the rows are the table's. A frozen pipe on a table open for
+    # writing reads the live arrays, which are never read so.
+    from embedpipe.cache import budget
+    from embedpipe.store.mapped import MappedReads
+
+    monkeypatch.setattr(budget, "stays_in_page_cache", lambda nbytes: True)
+    embedpipe.Table.create(tmp_path / "t.zarr", 3000, 8, chunk_rows=128).close()
+    with embedpipe.Table.open(tmp_path / "t.zarr", "r+") as table:
+        weight = table.to_tensor()
+    data = RandomCrops(64, 3000)
+    for source, maps in (
+        (tmp_path / "t.zarr", True),
+        (embedpipe.Table.open(tmp_path / "t.zarr", "r+"), False),
+    ):
+        with EmbeddingPipe(source, cache_rows=200, policy="lfu", padding_idx=0) as pipe:
+            loader = pipe.loader(data, batch_size=8, num_workers=workers)
+            for _ in range(2):
+                for batch in loader:
+                    torch.testing.assert_close(
+                        batch["inputs_embeds"], weight[batch["input_ids"]], rtol=0, atol=0
+                    )
+            assert pipe.stats()["rows_read"] > 0
+            lookup = loader.collate_fn
+            assert lookup.maps_reads
+            assert isinstance(lookup.table()._array("weight").mapped, MappedReads) == maps
+        if not maps:
+            source.close()

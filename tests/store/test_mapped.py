@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -320,3 +321,45 @@ def test_the_mapped_bytes_are_bounded(tmp_path, weight, monkeypatch):
         for _ in range(2):  # copied, then mapped
             table.write(np.arange(0, V, 8), np.ones((V // 8, D), dtype=np.float32))
         assert list(table._array("weight").mapped._maps) == [13, 14, 15]  # the last written
+
+
+def test_a_checkpoint_read_through_a_window_is_the_checkpoint_whatever_the_writer_does(
+    tmp_path, weight, layout, monkeypatch
+):
+    """NOTE [ A checkpoint read through a window ]: a handle on a checkpoint maps its chunk
+    files read-only as it reads them (no system call a row); a writer's rows and commits after
+    it never show (the writer copies a shared chunk first); a pickled handle maps anew; a live
+    handle is never mapped so."""
+    path = tmp_path / "t.zarr"
+    embedpipe.Table.from_tensor(path, weight, chunk_rows=32).close()
+    reader = embedpipe.Table.open(path)
+    assert mapped.map_reads(reader)
+    reads = []
+    preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda *a: reads.append(a[2]) or preadv(*a))
+    ids = np.random.default_rng(1).integers(0, V, size=300)  # repeated, in any order
+    np.testing.assert_array_equal(reader.read(ids), weight[ids])
+    assert (reads == []) == (layout == "window"), len(reads)
+    with embedpipe.Table.open(path, "r+") as writer:
+        assert not mapped.map_reads(writer)  # the live arrays: a writer changes them
+        writer.write(np.arange(0, V, 7), np.full((len(range(0, V, 7)), D), 9.0, np.float32))
+        writer.checkpoint()
+        writer.write([1, 2], np.full((2, D), 5.0, dtype=np.float32))
+    np.testing.assert_array_equal(reader.read(ids), weight[ids])
+    clone = pickle.loads(pickle.dumps(reader._array("weight")))
+    np.testing.assert_array_equal(clone.read(ids[::-1]), weight[ids[::-1]])
+    assert isinstance(clone.mapped, mapped.MappedReads)
+    reader.close()
+
+
+def test_a_damaged_chunk_of_a_checkpoint_read_through_a_window_is_named(tmp_path, weight):
+    from embedpipe.errors import CorruptTableError
+
+    path = tmp_path / "t.zarr"
+    embedpipe.Table.from_tensor(path, weight, chunk_rows=32).close()
+    with embedpipe.Table.open(path) as reader:
+        mapped.map_reads(reader)
+        np.testing.assert_array_equal(reader.read([1, 40]), weight[[1, 40]])  # chunks 0, 1
+        os.truncate(chunk_file(reader.root, 3), 100)  # before its first read: never mapped
+        with pytest.raises(CorruptTableError, match=r"chunk 3 \(rows 96\.\.127\)"):
+            reader.read([1, 100])
