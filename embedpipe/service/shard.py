@@ -12,6 +12,7 @@ import numpy as np
 
 from ..ranks.shards import split
 from ..store import checkpoints
+from ..store.mapped import changing_files
 from ..store.table import Table
 
 #: Rows a block when a later shard fills its chunks of a state array (bounded memory).
@@ -74,8 +75,9 @@ class ServedShard:
         once empty (the array's own, when no shard's chunk is left in it)."""
         for chunk in range(*self.chunks):
             where = os.path.join(array, "c", str(chunk))
-            for name in os.listdir(where) if os.path.isdir(where) else ():
-                checkpoints.unlink(os.path.join(where, name))
+            with changing_files():  # (NOTE [ A chunk checked once until its files change ])
+                for name in os.listdir(where) if os.path.isdir(where) else ():
+                    checkpoints.unlink(os.path.join(where, name))
             for empty in (where, os.path.join(array, "c"), array):
                 with contextlib.suppress(OSError):
                     os.rmdir(empty)

@@ -113,6 +113,11 @@ _FLAGS_KNOWN = sys.platform == "linux" and platform.machine() in ("x86_64", "aar
 #: Changes this process made to chunk files or their names (NOTE [ A chunk checked once until
 #: its files change ]).
 _changes = 0
+_changing = threading.Lock()  # (two threads changing files at once must not lose a count)
+
+#: The most chunk files a read window maps (each is a mapping of its own: Linux allows a process
+#: ``vm.max_map_count``, 65,530 by default); a larger array is read with ``preadv``.
+MAX_READ_CHUNKS = 16_384
 
 
 @contextlib.contextmanager
@@ -121,11 +126,13 @@ def changing_files() -> Iterator[None]:
     is checked again at its next write or read (see the NOTE). Counted at both ends, so that a
     check made while the files change is not kept."""
     global _changes
-    _changes += 1
+    with _changing:
+        _changes += 1
     try:
         yield
     finally:
-        _changes += 1
+        with _changing:
+            _changes += 1
 
 
 class MappedChunks:
@@ -296,7 +303,8 @@ class MappedReads:
         self.shape = (chunk_rows, dim)
         self.dtype = dtype
         self.chunk_bytes = chunk_rows * dim * dtype.itemsize
-        self._window = _reserve(chunks, self.shape, dtype) if WINDOW and chunks else None
+        fits = WINDOW and 0 < chunks <= MAX_READ_CHUNKS
+        self._window = _reserve(chunks, self.shape, dtype) if fits else None
         self._mapped = np.zeros(chunks, dtype=bool)
         self._lock = threading.Lock()
 
@@ -329,6 +337,8 @@ class MappedReads:
                 if os.fstat(fd).st_size == self.chunk_bytes:
                     _map_over(self._window[chunk], fd, mmap.PROT_READ)
                     self._mapped[chunk] = True
+            except OSError:  # no more mappings allowed (ENOMEM): left to ``preadv``
+                pass
             finally:
                 os.close(fd)
 

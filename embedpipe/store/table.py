@@ -63,7 +63,7 @@ class Table:
     DataLoader workers get their own handle.
     """
 
-    _mapped_bytes, _maps_reads = 0, False  # chunk bytes mapped to write; reads mapped (mapped.py)
+    _mapped_bytes = 0  # chunk file bytes an array keeps mapped to write rows (mapped.py)
 
     def __init__(
         self,
@@ -107,6 +107,7 @@ class Table:
         mode = "r+" if root == self.path and self.mode == "r+" else "r"
         self._group, self._meta = open_group(root, mode)
         self._rows: dict[str, ZarrRows] = {}
+        self._maps_reads = False  # a checkpoint's files read through windows (mapped.map_reads)
         weight = self._array(WEIGHT)
         self.num_rows, self.dim = (int(n) for n in weight.array.shape)
         self.dtype = np.dtype(weight.dtype)
@@ -237,9 +238,8 @@ class Table:
         array instead of the weights. Reads only the chunks the ids fall in.
         """
         ids = as_ids(ids, self.num_rows)
-        flat = ids.reshape(-1)
         self._up_to_date()
-        return self._array(name).read(flat).reshape(*ids.shape, self.dim)
+        return self._array(name).read(ids.reshape(-1)).reshape(*ids.shape, self.dim)
 
     def write(self, ids: Any, rows: Any, name: str = WEIGHT) -> None:
         """Write ``rows[i]`` to row ``ids[i]``; durable at the next :meth:`checkpoint`.

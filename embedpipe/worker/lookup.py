@@ -92,8 +92,8 @@ class Lookup:
 
     def _handle(self) -> Table:
         handle = Table._reader(self.table_path, self.table_root)
-        if self.maps_reads:
-            map_reads(handle)  # where it reads a checkpoint, whose files never change
+        if self.maps_reads and map_reads(handle):  # a checkpoint, whose files never change
+            handle._array(WEIGHT)  # made here: a forked worker opens no zarr group (above)
         return handle
 
     def __call__(self, samples: list[Any]) -> EmbeddedBatch:

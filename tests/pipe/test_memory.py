@@ -265,20 +265,32 @@ def test_a_frozen_pipe_whose_table_fits_reads_its_checkpoint_through_a_window(
     tmp_path, monkeypatch, workers
 ):
     # NOTE [ A frozen table that fits in memory ]: its lookups map the checkpoint's chunk files
-    # read-only (store/mapped.py); the rows are the table's. A frozen pipe on a table open for
-    # writing reads the live arrays, which are never read so.
+    # read-only (store/mapped.py): no preadv in the processes that look up (the workers inherit
+    # the count), and the rows are the table's. A frozen pipe on a table open for writing reads
+    # the live arrays, which are never read so.
+    import multiprocessing
+
     from embedpipe.cache import budget
-    from embedpipe.store.mapped import MappedReads
 
     monkeypatch.setattr(budget, "stays_in_page_cache", lambda nbytes: True)
     embedpipe.Table.create(tmp_path / "t.zarr", 3000, 8, chunk_rows=128).close()
     with embedpipe.Table.open(tmp_path / "t.zarr", "r+") as table:
         weight = table.to_tensor()
+    preads = multiprocessing.get_context("fork").Value("i", 0)
+    preadv = os.preadv
+
+    def counted(*args):
+        with preads.get_lock():
+            preads.value += 1
+        return preadv(*args)
+
+    monkeypatch.setattr(os, "preadv", counted)
     data = RandomCrops(64, 3000)
     for source, maps in (
         (tmp_path / "t.zarr", True),
         (embedpipe.Table.open(tmp_path / "t.zarr", "r+"), False),
     ):
+        preads.value = 0
         with EmbeddingPipe(source, cache_rows=200, policy="lfu", padding_idx=0) as pipe:
             loader = pipe.loader(data, batch_size=8, num_workers=workers)
             for _ in range(2):
@@ -287,8 +299,6 @@ def test_a_frozen_pipe_whose_table_fits_reads_its_checkpoint_through_a_window(
                         batch["inputs_embeds"], weight[batch["input_ids"]], rtol=0, atol=0
                     )
             assert pipe.stats()["rows_read"] > 0
-            lookup = loader.collate_fn
-            assert lookup.maps_reads
-            assert isinstance(lookup.table()._array("weight").mapped, MappedReads) == maps
+        assert (preads.value == 0) == maps, preads.value
         if not maps:
             source.close()

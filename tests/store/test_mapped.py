@@ -363,3 +363,40 @@ def test_a_damaged_chunk_of_a_checkpoint_read_through_a_window_is_named(tmp_path
         os.truncate(chunk_file(reader.root, 3), 100)  # before its first read: never mapped
         with pytest.raises(CorruptTableError, match=r"chunk 3 \(rows 96\.\.127\)"):
             reader.read([1, 100])
+
+
+def test_a_reader_of_a_checkpoint_never_sees_the_owners_writes_after_its_commit(tmp_path, weight):
+    """The two windows together: the owner's writes go through its window with no look at the
+    files (chunks checked once), a commit makes them looked at again, so the write after it
+    copies the chunks the new checkpoint shares, and a reader mapping that checkpoint keeps
+    reading its rows."""
+    path = tmp_path / "t.zarr"
+    ids = np.array([1, 40, 100, 300])
+    with mapped_table(path, weight) as writer:
+        for value in (1.0, 2.0, 3.0):  # copied, mapped, then through the window unlooked
+            writer.write(ids, np.full((4, D), value, dtype=np.float32))
+        writer.checkpoint()
+        with embedpipe.Table.open(path) as reader:  # the checkpoint just committed
+            assert mapped.map_reads(reader)
+            np.testing.assert_array_equal(reader.read(ids), np.full((4, D), 3.0))
+            for value in (4.0, 5.0):  # copied first, then the copies through the window
+                writer.write(ids, np.full((4, D), value, dtype=np.float32))
+            np.testing.assert_array_equal(reader.read(ids[::-1]), np.full((4, D), 3.0))
+            np.testing.assert_array_equal(writer.read(ids), np.full((4, D), 5.0))
+
+
+def test_a_read_window_refused_or_out_of_mappings_reads_with_preadv(tmp_path, weight, monkeypatch):
+    path = tmp_path / "t.zarr"
+    embedpipe.Table.from_tensor(path, weight, chunk_rows=32).close()
+    ids = np.random.default_rng(2).integers(0, V, size=200)
+
+    def refused(*args):
+        raise OSError(errno.ENOMEM, "too many mappings")
+
+    for patch in ((mapped, "MAX_READ_CHUNKS", 8), (mapped, "_map_over", refused)):
+        with monkeypatch.context() as m:
+            m.setattr(*patch)
+            with embedpipe.Table.open(path) as reader:
+                mapped.map_reads(reader)
+                np.testing.assert_array_equal(reader.read(ids), weight[ids])
+                assert not reader._array("weight").mapped._mapped.any()
