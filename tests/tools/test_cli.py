@@ -84,6 +84,7 @@ def test_demo_runs(capsys):
         ),
         ("big", ["import", "{tmp}/big.npy", "{tmp}/t.zarr", "--dtype", "float16"], "beyond"),
         (None, ["demo", "--rows", "3", "--dim", "100000000000000"], "Unable to allocate"),
+        (None, ["bench", "--dir", "{tmp}/missing"], "missing: no such folder; make it first"),
     ],
 )
 def test_bad_input_exits_nonzero_with_one_line(tmp_path, make, args, message):

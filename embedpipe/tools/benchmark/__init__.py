@@ -157,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise ValueError(f"cannot write {args.json}: the folder it names does not exist")
+    if args.dir is not None and not os.path.isdir(args.dir):
+        raise ValueError(f"--dir {args.dir}: no such folder; make it first, or leave --dir out")
     if args.quick:
         apply_quick(args, SECTIONS)
     started = time.perf_counter()
