@@ -190,8 +190,9 @@ class MappedChunks:
 
     def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The rows of ``ids`` whose chunks are mapped into the window, their files still the
-        chunks' (a ``stat`` each, as :meth:`rows` does): the mask of those ids and their rows in
-        order, the others left to the caller (all of them without a window)."""
+        chunks' (a ``stat`` each, as :meth:`rows` does, but for chunks checked since the last
+        change, see the NOTE): the mask of those ids and their rows in order, the others left to
+        the caller (all of them without a window)."""
         if self._window is None or not self._maps:
             return np.zeros(len(ids), dtype=bool), np.empty((0, self.shape[1]), dtype=self.dtype)
         if self._still_checked()[ids // self.shape[0]].all():
@@ -244,8 +245,6 @@ class MappedChunks:
         except FileNotFoundError:
             return None
         with self._lock:
-            if stat.st_nlink != 1 or self._maps.get(chunk, (stat.st_ino,))[0] != stat.st_ino:
-                self._checked[chunk : chunk + 1] = False  # (after a change: cleared already)
             if stat.st_nlink != 1:  # shared with a checkpoint: the caller copies it first
                 self._maps.pop(chunk, None)
                 return None
@@ -306,6 +305,7 @@ class MappedReads:
         fits = WINDOW and 0 < chunks <= MAX_READ_CHUNKS
         self._window = _reserve(chunks, self.shape, dtype) if fits else None
         self._mapped = np.zeros(chunks, dtype=bool)
+        self._tried = np.zeros(chunks, dtype=bool)  # (a chunk that cannot be mapped: tried once)
         self._lock = threading.Lock()
 
     def __reduce__(self) -> tuple:  # another process maps anew (a forked one inherits the window)
@@ -318,7 +318,7 @@ class MappedReads:
             return np.zeros(len(ids), dtype=bool), np.empty((0, self.shape[1]), dtype=self.dtype)
         chunk_of = ids // self.shape[0]
         done = self._mapped[chunk_of]
-        if not done.all():
+        if not done.all() and not self._tried[chunk_of[~done]].all():
             for chunk in np.unique(chunk_of[~done]).tolist():
                 self._map(chunk)
             done = self._mapped[chunk_of]
@@ -327,8 +327,9 @@ class MappedReads:
 
     def _map(self, chunk: int) -> None:
         with self._lock:
-            if self._mapped[chunk]:
+            if self._tried[chunk]:
                 return
+            self._tried[chunk] = True  # a checkpoint's file: what it is now, it stays
             try:
                 fd = os.open(self.path_of(chunk), os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
